@@ -1,0 +1,38 @@
+# Two commands for a newcomer: `make demo` (a real training run) and `make test` (the test suite).
+# Each creates or updates the virtual environment in .venv itself.
+
+PY ?= python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.fabric-installed
+
+.PHONY: venv demo test horovod bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,examples]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## The main job: the example training run as a 2-process DDP job on the CPU.
+demo: venv
+	$(PYTHON) examples/fabric_loop.py --accelerator cpu --devices 2 --strategy ddp
+
+## The test suite (Horovod tests run when Horovod is installed: see `make horovod`).
+test: venv
+	$(PYTHON) -m pytest -q
+
+## Build Horovod 0.28.1 for torch >= 2.1 (about 5 minutes once, cached after) into the venv.
+horovod: venv
+	PY=$(PYTHON) bash scripts/build_horovod.sh
+
+bench: venv
+	$(PYTHON) benchmarks/import_cost.py
+	$(PYTHON) benchmarks/step_overhead.py
+	$(PYTHON) benchmarks/ddp_step.py
+	$(PYTHON) benchmarks/launch.py
+	$(PYTHON) benchmarks/checkpoint.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

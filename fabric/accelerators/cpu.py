@@ -1,0 +1,48 @@
+"""CPU: ``devices`` is the number of processes, every one of them on ``torch.device("cpu")``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fabric.accelerators.accelerator import Accelerator
+
+
+class CPUAccelerator(Accelerator):
+    name = "cpu"
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"CPUAccelerator was given the device {device}; it only runs on 'cpu'")
+
+    @staticmethod
+    def parse_devices(devices: Any) -> int:
+        return parse_cpu_cores(devices)
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        return [torch.device("cpu")] * parse_cpu_cores(devices)
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+
+def parse_cpu_cores(devices: Any) -> int:
+    """``devices`` for the CPU: a positive int (or a string of one) counting processes; "auto" means 1."""
+    if devices == "auto":
+        return 1
+    value = devices
+    if isinstance(devices, str) and devices.strip().isdigit():
+        value = int(devices)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(
+            f"devices={devices!r} is not valid for the CPU accelerator; accepted: a positive int"
+            " (the number of processes) or 'auto'"
+        )
+    return value

@@ -1,0 +1,90 @@
+"""NVIDIA GPUs. The parsing of ``devices=`` is pure so it is tested on machines without a GPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fabric.accelerators.accelerator import Accelerator
+
+
+class CUDAAccelerator(Accelerator):
+    name = "cuda"
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDAAccelerator was given the device {device}; it only runs on 'cuda'")
+        torch.cuda.set_device(device)
+
+    def teardown(self) -> None:
+        torch.cuda.empty_cache()
+
+    @staticmethod
+    def parse_devices(devices: Any) -> list[int]:
+        return parse_gpu_ids(devices, num_cuda_devices(), "cuda")
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        return [torch.device("cuda", index) for index in devices]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return num_cuda_devices()
+
+    @staticmethod
+    def is_available() -> bool:
+        return num_cuda_devices() > 0
+
+
+def num_cuda_devices() -> int:
+    """Visible GPUs, counted without initializing CUDA (so forked processes can still use it)."""
+    if not torch.backends.cuda.is_built():
+        return 0
+    return torch.cuda.device_count()
+
+
+def parse_gpu_ids(devices: Any, available: int, accelerator: str) -> list[int]:
+    """Turn a user's ``devices=`` into GPU indices, checked against the ``available`` count.
+
+    Accepted: "auto" or -1 / "-1" (all), an int n > 0 or a string of one ("2": the first n GPUs),
+    a comma-separated string of indices ("0,1" or "1,"), a list/tuple of indices.
+    """
+    invalid = ValueError(
+        f"devices={devices!r} is not valid for the {accelerator.upper()} accelerator; accepted: 'auto', -1,"
+        " a positive int, a string like '0,1', or a list of indices like [0, 1]"
+    )
+    if isinstance(devices, bool) or devices is None:
+        raise invalid
+    if devices == "auto" or devices == -1 or devices == "-1":
+        if available == 0:
+            raise RuntimeError(f"devices={devices!r} asks for every {accelerator.upper()} device, but none is available")
+        return list(range(available))
+    if isinstance(devices, int):
+        if devices <= 0:
+            raise invalid
+        indices = list(range(devices))
+    elif isinstance(devices, str):
+        text = devices.strip()
+        if "," in text:
+            parts = [part.strip() for part in text.split(",") if part.strip()]
+            if not parts or not all(part.isdigit() for part in parts):
+                raise invalid
+            indices = [int(part) for part in parts]
+        elif text.isdigit() and int(text) > 0:
+            indices = list(range(int(text)))
+        else:
+            raise invalid
+    elif isinstance(devices, (list, tuple)):
+        if not devices or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in devices):
+            raise invalid
+        indices = list(devices)
+    else:
+        raise invalid
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"devices={devices!r} names a device more than once")
+    missing = [i for i in indices if i >= available]
+    if missing:
+        have = f"only {available} (indices 0..{available - 1}) are available" if available else "none is available"
+        raise RuntimeError(f"devices={devices!r} asks for {accelerator.upper()} device(s) {missing}, but {have}")
+    return indices

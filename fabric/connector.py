@@ -1,0 +1,197 @@
+"""Turns the user's arguments (and the environment) into one configured Strategy.
+
+This is the only place that parses user strings: accelerator, strategy, devices, num_nodes, precision
+and plugins are checked here, where they enter, so errors name the argument the user wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fabric.accelerators import ACCELERATOR_REGISTRY, Accelerator, CPUAccelerator, CUDAAccelerator, MPSAccelerator
+from fabric.plugins.io import CheckpointIO
+from fabric.plugins.precision import Precision, normalize_precision, precision_for
+from fabric.strategies import STRATEGY_REGISTRY, strategy_class
+from fabric.strategies.strategy import Strategy
+
+# set by `fabric run` so a script's plain `Fabric()` picks up the command-line options
+ENV_PREFIX = "FABRIC_"
+_ENV_ARGUMENTS = ("accelerator", "strategy", "devices", "num_nodes", "precision")
+_DEFAULTS: dict[str, Any] = {"accelerator": "auto", "strategy": "auto", "devices": "auto", "num_nodes": 1, "precision": None}
+
+
+class Connector:
+    def __init__(
+        self,
+        accelerator: str | Accelerator = "auto",
+        strategy: str | Strategy = "auto",
+        devices: Any = "auto",
+        num_nodes: int = 1,
+        precision: Any = None,
+        plugins: Any = None,
+    ) -> None:
+        accelerator = _from_environment("accelerator", accelerator)
+        strategy = _from_environment("strategy", strategy)
+        devices = _from_environment("devices", devices)
+        num_nodes = _from_environment("num_nodes", num_nodes)
+        precision = _from_environment("precision", precision)
+
+        precision_plugin, checkpoint_io, environment = _split_plugins(plugins)
+        if precision_plugin is not None and precision is not None:
+            raise ValueError(
+                f"precision={precision!r} and a precision plugin {precision_plugin!r} were both given; pass only one"
+            )
+        self.precision = normalize_precision(precision) if precision_plugin is None else precision_plugin.precision
+        self.num_nodes = _parse_num_nodes(num_nodes)
+        if environment is None:
+            from fabric.plugins.environments import detect_cluster_environment
+
+            environment = detect_cluster_environment()
+        self.cluster_environment = environment
+        self.accelerator = _select_accelerator(accelerator, strategy)
+        devices, self.num_nodes = _devices_from_cluster(devices, self.num_nodes, environment)
+        self.parallel_devices = self.accelerator.get_parallel_devices(self.accelerator.parse_devices(devices))
+        device_type = self.parallel_devices[0].type
+        if precision_plugin is None:
+            _check_precision_on_device(self.precision, device_type, accelerator)
+            precision_plugin = precision_for(self.precision, device_type)
+        self.strategy = self._build_strategy(strategy, precision_plugin, checkpoint_io)
+
+    def _build_strategy(self, strategy: Any, precision: Precision, checkpoint_io: CheckpointIO | None) -> Strategy:
+        if isinstance(strategy, Strategy):
+            instance = strategy
+        elif isinstance(strategy, str):
+            name = strategy.lower()
+            if name == "auto":
+                multi = len(self.parallel_devices) > 1 or self.num_nodes > 1
+                name = "ddp" if multi else "single_device"
+            if name not in STRATEGY_REGISTRY:
+                accepted = ", ".join(repr(n) for n in ("auto", *STRATEGY_REGISTRY))
+                raise ValueError(f"strategy={strategy!r} is not a known strategy; accepted: {accepted}, or a Strategy instance")
+            if name == "single_device" and (len(self.parallel_devices) > 1 or self.num_nodes > 1):
+                raise ValueError(
+                    f"strategy='single_device' runs one process on one device, but devices={len(self.parallel_devices)}"
+                    f" and num_nodes={self.num_nodes} were asked for; use strategy='ddp'"
+                )
+            cls, fixed = strategy_class(name)
+            instance = cls(device=self.parallel_devices[0]) if name == "single_device" else cls(**fixed)
+        else:
+            raise TypeError(f"strategy={strategy!r} must be a name or a Strategy instance, not {type(strategy).__name__}")
+        self._complete(instance, precision, checkpoint_io)
+        return instance
+
+    def _complete(self, strategy: Strategy, precision: Precision, checkpoint_io: CheckpointIO | None) -> None:
+        """Fill in whatever the strategy was not given by the user (a given strategy instance keeps its parts)."""
+        if strategy.accelerator is None:
+            strategy.accelerator = self.accelerator
+        if strategy._precision is None:
+            strategy.precision = precision
+        if checkpoint_io is not None:
+            strategy.checkpoint_io = checkpoint_io
+        if getattr(strategy, "parallel_devices", False) is None:
+            strategy.parallel_devices = self.parallel_devices
+        if getattr(strategy, "cluster_environment", False) is None:
+            strategy.cluster_environment = self.cluster_environment
+        if hasattr(strategy, "num_nodes"):
+            strategy.num_nodes = self.num_nodes
+        strategy._configure_launcher()
+
+
+def _from_environment(name: str, value: Any) -> Any:
+    """The value of ``FABRIC_<NAME>`` (set by ``fabric run``) where the code left the argument at its default."""
+    env_value = os.environ.get(ENV_PREFIX + name.upper())
+    if env_value is None:
+        return value
+    default = _DEFAULTS[name]
+    if value != default and str(value) != env_value:
+        raise ValueError(
+            f"Fabric({name}={value!r}) in the code conflicts with --{name.replace('_', '-')}={env_value} given to"
+            " `fabric run`; remove one of them"
+        )
+    if name == "num_nodes":
+        if not env_value.isdigit():
+            raise ValueError(f"{ENV_PREFIX}NUM_NODES={env_value!r} is not a positive integer")
+        return int(env_value)
+    if name == "devices" and env_value.lstrip("-").isdigit():
+        return int(env_value)
+    return env_value
+
+
+def _split_plugins(plugins: Any) -> tuple[Precision | None, CheckpointIO | None, Any]:
+    from fabric.plugins.environments import ClusterEnvironment
+
+    if plugins is None:
+        return None, None, None
+    if not isinstance(plugins, (list, tuple)):
+        plugins = [plugins]
+    found: dict[type, Any] = {}
+    for plugin in plugins:
+        for kind in (Precision, CheckpointIO, ClusterEnvironment):
+            if isinstance(plugin, kind):
+                if kind in found:
+                    raise ValueError(f"plugins has more than one {kind.__name__}: {found[kind]!r} and {plugin!r}")
+                found[kind] = plugin
+                break
+        else:
+            raise TypeError(
+                f"plugins got {plugin!r}; accepted: a Precision, a CheckpointIO or a ClusterEnvironment instance"
+            )
+    return found.get(Precision), found.get(CheckpointIO), found.get(ClusterEnvironment)
+
+
+def _parse_num_nodes(num_nodes: Any) -> int:
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} is not valid; accepted: an int >= 1")
+    return num_nodes
+
+
+def _select_accelerator(accelerator: Any, strategy: Any) -> Accelerator:
+    if isinstance(accelerator, Accelerator):
+        return accelerator
+    if isinstance(strategy, Strategy) and strategy.accelerator is not None and accelerator == "auto":
+        return strategy.accelerator
+    if not isinstance(accelerator, str):
+        raise TypeError(f"accelerator={accelerator!r} must be a name or an Accelerator instance")
+    name = accelerator.lower()
+    if name == "auto":
+        for candidate in (CUDAAccelerator, MPSAccelerator):
+            if candidate.is_available():
+                return candidate()
+        return CPUAccelerator()
+    if name == "gpu":
+        for candidate in (CUDAAccelerator, MPSAccelerator):
+            if candidate.is_available():
+                return candidate()
+        raise RuntimeError("accelerator='gpu' was asked for, but neither a CUDA nor an MPS device is available")
+    if name not in ACCELERATOR_REGISTRY:
+        accepted = ", ".join(repr(n) for n in ("auto", "gpu", *ACCELERATOR_REGISTRY))
+        raise ValueError(f"accelerator={accelerator!r} is not a known accelerator; accepted: {accepted}")
+    cls = ACCELERATOR_REGISTRY[name]
+    if not cls.is_available():
+        raise RuntimeError(f"accelerator={accelerator!r} was asked for, but it is not available on this machine")
+    return cls()
+
+
+def _devices_from_cluster(devices: Any, num_nodes: int, environment: Any) -> tuple[Any, int]:
+    """Under torchrun, ``devices="auto"`` means the processes torchrun started on each node."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE")
+    world = os.environ.get("WORLD_SIZE")
+    if devices != "auto" or type(environment).__name__ != "TorchElasticEnvironment" or not local_world:
+        return devices, num_nodes
+    per_node = int(local_world)
+    if num_nodes == 1 and world and int(world) > per_node:
+        num_nodes = int(world) // per_node
+    return per_node, num_nodes
+
+
+def _check_precision_on_device(precision: str, device_type: str, accelerator: Any) -> None:
+    if precision == "16-mixed" and device_type == "cpu":
+        raise ValueError(
+            "precision='16-mixed' is not supported on the CPU (float16 autocast needs a GPU); use precision='bf16-mixed'"
+        )
+    if precision == "bf16-mixed" and device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise RuntimeError("precision='bf16-mixed' needs a GPU with bfloat16 support; use precision='16-mixed'")

@@ -1,0 +1,478 @@
+"""The ``Fabric`` facade: the user's loop stays theirs; each call is forwarded to the strategy.
+
+It has no distributed logic of its own (it never imports torch.distributed). Beyond forwarding, it
+wraps objects, prints on rank 0, seeds, and dispatches to callbacks and loggers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
+from pathlib import Path
+from typing import Any, overload
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from fabric.accelerators import Accelerator
+from fabric.connector import Connector
+from fabric.plugins.precision import Precision
+from fabric.strategies.strategy import Strategy
+from fabric.utilities.apply_func import convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
+from fabric.utilities.rank_zero import rank_zero_only
+from fabric.utilities.seed import seed_everything as _seed_everything
+from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, is_wrapped, unwrap
+
+
+class Fabric:
+    """Accelerate a PyTorch training loop on CPUs, GPUs, processes and machines.
+
+    Args:
+        accelerator: "cpu", "cuda", "mps", "gpu" or "auto" (a GPU if there is one), or an Accelerator.
+        strategy: "auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_forkserver", "dp",
+            "horovod", ... or a Strategy instance.
+        devices: how many devices (processes on the CPU) per node, which ones ("0,1", [0, 1]), -1 or "auto".
+        num_nodes: number of machines.
+        precision: "32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true" or 32, 64, 16, "bf16".
+        plugins: a Precision, CheckpointIO or ClusterEnvironment instance, or a list of them.
+        callbacks: objects whose methods ``fabric.call(name, ...)`` invokes.
+        loggers: loggers for ``fabric.log`` / ``fabric.log_dict``.
+    """
+
+    def __init__(
+        self,
+        accelerator: str | Accelerator = "auto",
+        strategy: str | Strategy = "auto",
+        devices: list[int] | str | int = "auto",
+        num_nodes: int = 1,
+        precision: Any = None,
+        plugins: Any = None,
+        callbacks: Any = None,
+        loggers: Any = None,
+    ) -> None:
+        connector = Connector(
+            accelerator=accelerator,
+            strategy=strategy,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
+            plugins=plugins,
+        )
+        self._strategy: Strategy = connector.strategy
+        self._callbacks = _as_list(callbacks, "callbacks")
+        self._loggers = _as_list(loggers, "loggers")
+        self._launched = False
+        # one process on a local device needs no launch; anything with ranks does
+        self._launch_required = getattr(self._strategy, "requires_launch", False)
+
+    # ---- properties -------------------------------------------------------------------------------
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return self._strategy.accelerator  # type: ignore[return-value]
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def device(self) -> torch.device:
+        """The device of this process: where ``setup`` moves models and ``to_device`` moves data."""
+        return self._strategy.root_device
+
+    @property
+    def global_rank(self) -> int:
+        return self._strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self._strategy.node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self._strategy.is_global_zero
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self._loggers
+
+    @property
+    def logger(self) -> Any:
+        """The first logger; raises when there is none, like Lightning Fabric."""
+        if not self._loggers:
+            raise RuntimeError("Fabric has no logger; pass Fabric(loggers=...)")
+        return self._loggers[0]
+
+    # ---- launching --------------------------------------------------------------------------------
+
+    def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Start the processes of this strategy and set up each one.
+
+        With start method "popen" (strategy "ddp"), call it without a function: the script itself is
+        re-run for the other ranks. With "spawn"/"fork"/"forkserver", pass ``function``; each process
+        runs ``function(fabric, *args, **kwargs)`` and rank 0's return value comes back here.
+        """
+        if function is not None and not callable(function):
+            raise TypeError(f"launch(function=...) takes a callable, got {function!r} ({type(function).__name__})")
+        if self._launched:
+            raise RuntimeError("Fabric.launch() was already called in this process; call it once")
+        launcher = self._strategy.launcher
+        if launcher is not None and function is None and getattr(launcher, "requires_function", False):
+            raise TypeError(
+                f"The {type(self._strategy).__name__} with start method {getattr(self._strategy, '_start_method', '?')!r}"
+                " starts new processes that need a function to run: call fabric.launch(function, *args)"
+            )
+        if launcher is not None and not launcher.is_interactive_compatible and _in_interactive_session():
+            raise RuntimeError(
+                f"{type(self._strategy).__name__} cannot be launched from an interactive session (notebook, REPL);"
+                " use strategy='ddp_notebook' (fork) or run the code as a script"
+            )
+        to_run = partial(self._run_with_setup, function or _do_nothing)
+        if launcher is None:
+            return to_run(*(() if function is None else (self, *args)), **kwargs)
+        return launcher.launch(to_run, *(() if function is None else (self, *args)), **kwargs)
+
+    def _run_with_setup(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._launched = True
+        self._strategy.setup_environment()
+        if self._strategy.world_size > 1:
+            rank_zero_only.rank = self._strategy.global_rank
+        try:
+            return function(*args, **kwargs)
+        except BaseException as exception:
+            if function is not _do_nothing:
+                self._strategy.on_exception(exception)
+            raise
+
+    def _check_launched(self, what: str) -> None:
+        if self._launch_required and not self._launched:
+            raise RuntimeError(
+                f"Fabric.{what}() was called before Fabric.launch(). With strategy"
+                f" {type(self._strategy).__name__}, call fabric.launch() first (in every process)"
+            )
+
+    # ---- set-up of the user's objects ---------------------------------------------------------------
+
+    def setup(self, module: Module, *optimizers: Optimizer, move_to_device: bool = True) -> Any:
+        """Wrap ``module`` and ``optimizers`` for this strategy; returns them in the same order."""
+        self._check_launched("setup")
+        self._check_module(module)
+        self._check_optimizers(optimizers)
+        module = self._strategy.precision.convert_module(module)
+        if move_to_device:
+            self._strategy.module_to_device(module)
+        wrapped, wrapped_optimizers = self._strategy.setup_module_and_optimizers(module, list(optimizers))
+        fabric_module = FabricModule(wrapped, self._strategy, original_module=module)
+        fabric_optimizers = [FabricOptimizer(optimizer, self._strategy) for optimizer in wrapped_optimizers]
+        self.call("on_after_setup", fabric=self, module=fabric_module)
+        if not optimizers:
+            return fabric_module
+        return (fabric_module, *fabric_optimizers)
+
+    def setup_module(self, module: Module, move_to_device: bool = True) -> FabricModule:
+        """Wrap ``module`` alone (optimizers can be set up later with ``setup_optimizers``)."""
+        self._check_launched("setup_module")
+        self._check_module(module)
+        module = self._strategy.precision.convert_module(module)
+        if move_to_device:
+            self._strategy.module_to_device(module)
+        wrapped = self._strategy.setup_module(module)
+        return FabricModule(wrapped, self._strategy, original_module=module)
+
+    def setup_optimizers(self, *optimizers: Optimizer) -> FabricOptimizer | tuple[FabricOptimizer, ...]:
+        self._check_launched("setup_optimizers")
+        if not optimizers:
+            raise ValueError("setup_optimizers() needs at least one optimizer")
+        self._check_optimizers(optimizers)
+        wrapped = [FabricOptimizer(self._strategy.setup_optimizer(o), self._strategy) for o in optimizers]
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def setup_dataloaders(
+        self, *dataloaders: Any, use_distributed_sampler: bool = True, move_to_device: bool = True
+    ) -> Any:
+        """Shard each loader across ranks (a DistributedSampler) and move its batches to the device."""
+        self._check_launched("setup_dataloaders")
+        if not dataloaders:
+            raise ValueError("setup_dataloaders() needs at least one dataloader")
+        wrapped = [self._setup_dataloader(d, use_distributed_sampler, move_to_device) for d in dataloaders]
+        return wrapped[0] if len(wrapped) == 1 else wrapped
+
+    def _setup_dataloader(self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool) -> FabricDataLoader:
+        if isinstance(dataloader, FabricDataLoader):
+            raise ValueError("This dataloader was already set up; pass each dataloader to setup_dataloaders() once")
+        if not hasattr(dataloader, "__iter__"):
+            raise TypeError(f"setup_dataloaders() takes DataLoaders (iterables), got {type(dataloader).__name__}")
+        sampler_kwargs = self._strategy.distributed_sampler_kwargs
+        if use_distributed_sampler and sampler_kwargs is not None and isinstance(dataloader, torch.utils.data.DataLoader):
+            from fabric.utilities.data import shard_dataloader
+
+            dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
+        dataloader = self._strategy.process_dataloader(dataloader)
+        device = self.device if move_to_device and getattr(self._strategy, "moves_batches", True) else None
+        return FabricDataLoader(dataloader, device=device)
+
+    def _check_module(self, module: Any) -> None:
+        if isinstance(module, FabricModule):
+            raise ValueError("This model was already set up; pass each model to setup() once")
+        if not isinstance(module, Module):
+            raise TypeError(f"setup() takes a torch.nn.Module, got {type(module).__name__}")
+
+    def _check_optimizers(self, optimizers: Sequence[Any]) -> None:
+        for optimizer in optimizers:
+            if isinstance(optimizer, FabricOptimizer):
+                raise ValueError("This optimizer was already set up; pass each optimizer to setup() once")
+            if not isinstance(optimizer, Optimizer):
+                raise TypeError(f"setup() takes torch.optim.Optimizer instances, got {type(optimizer).__name__}")
+
+    # ---- the training step ------------------------------------------------------------------------
+
+    def backward(self, tensor: Tensor, *args: Any, model: FabricModule | None = None, **kwargs: Any) -> None:
+        """``tensor.backward()`` with the precision's scaling and the strategy's gradient sync."""
+        module = model._forward_module if isinstance(model, FabricModule) else model
+        self._strategy.backward(tensor, module, *args, **kwargs)
+
+    def clip_gradients(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        clip_val: float | int | None = None,
+        max_norm: float | int | None = None,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor | None:
+        """Clip gradients by value (``clip_val``) or by total norm (``max_norm``; returns the norm)."""
+        if clip_val is not None and max_norm is not None:
+            raise ValueError(f"clip_gradients() takes clip_val or max_norm, not both (got {clip_val!r} and {max_norm!r})")
+        if clip_val is None and max_norm is None:
+            raise ValueError("clip_gradients() needs clip_val (clip by value) or max_norm (clip by norm)")
+        module, optimizer = unwrap(module), unwrap(optimizer)
+        if max_norm is not None:
+            return self._strategy.clip_gradients_norm(
+                module, optimizer, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+            )
+        self._strategy.clip_gradients_value(module, optimizer, clip_val=clip_val)  # type: ignore[arg-type]
+        return None
+
+    def autocast(self) -> AbstractContextManager:
+        """Run code outside the model's forward (e.g. the loss) under the same precision."""
+        return self._strategy.precision.forward_context()
+
+    @overload
+    def to_device(self, obj: Module) -> Module: ...
+    @overload
+    def to_device(self, obj: Tensor) -> Tensor: ...
+    @overload
+    def to_device(self, obj: Any) -> Any: ...
+
+    def to_device(self, obj: Any) -> Any:
+        """Move a module, a tensor or any collection of tensors to this process's device."""
+        if isinstance(obj, Module):
+            self._strategy.module_to_device(obj)
+            return obj
+        return move_data_to_device(obj, self.device)
+
+    def batch_to_device(self, batch: Any) -> Any:
+        """Move a batch (any nesting of containers of tensors) to this process's device."""
+        return self._strategy.batch_to_device(batch)
+
+    @contextmanager
+    def no_backward_sync(self, module: FabricModule, enabled: bool = True) -> Generator[None, None, None]:
+        """Skip gradient synchronization in backward inside this block (gradient accumulation).
+
+        The accumulated gradients are synchronized by the first backward outside the block.
+        """
+        if not isinstance(module, FabricModule):
+            raise TypeError(f"no_backward_sync() takes the module returned by setup(), got {type(module).__name__}")
+        control = self._strategy._backward_sync_control
+        if not enabled or control is None:
+            yield
+            return
+        with control.no_backward_sync(module._forward_module, enabled):
+            yield
+
+    def init_module(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Create a model's parameters directly on the device and in the precision's dtype.
+
+        ``empty_init=True`` skips weight initialization: use it when a checkpoint overwrites the weights.
+        """
+        self._check_launched("init_module")
+        return self._strategy.module_init_context(empty_init=empty_init)
+
+    def init_tensor(self) -> AbstractContextManager:
+        """Create tensors directly on the device and in the precision's dtype."""
+        return self._strategy.tensor_init_context()
+
+    # ---- collectives ------------------------------------------------------------------------------
+
+    def all_reduce(self, data: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduce tensors (or numbers, in any nesting) over all processes: "mean", "sum", "max", "min"."""
+        self._check_launched("all_reduce")
+        data = convert_to_tensors(data, device=self.device)
+        return apply_to_collection(data, Tensor, self._strategy.all_reduce, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """Gather tensors (or numbers, in any nesting) from all processes, stacked as [world_size, ...].
+
+        With one process no dimension is added, like Lightning Fabric.
+        """
+        self._check_launched("all_gather")
+        data = convert_to_tensors(data, device=self.device)
+        return apply_to_collection(data, Tensor, self._strategy.all_gather, group=group, sync_grads=sync_grads)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send ``obj`` (a tensor or any picklable object) from rank ``src`` to every process."""
+        self._check_launched("broadcast")
+        return self._strategy.broadcast(obj, src=src)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process has reached this point."""
+        self._check_launched("barrier")
+        self._strategy.barrier(name=name)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree on a decision: with ``all=True`` every rank must say True; with ``all=False`` one is enough."""
+        self._check_launched("reduce_boolean_decision")
+        return self._strategy.reduce_boolean_decision(decision, all=all)
+
+    @contextmanager
+    def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
+        """Let rank 0 (of each node with ``local=True``) run the block first, e.g. to download data once."""
+        rank = self.local_rank if local else self.global_rank
+        if rank > 0:
+            self.barrier()
+        yield
+        if rank == 0:
+            self.barrier()
+
+    # ---- output, seeding, callbacks and loggers ------------------------------------------------------
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    @staticmethod
+    def seed_everything(seed: int | None = None, workers: bool | None = None, verbose: bool = True) -> int:
+        """Seed ``random``, NumPy and torch in this process and in the processes it starts."""
+        if workers is None:
+            workers = True
+        return _seed_everything(seed=seed, workers=workers, verbose=verbose)
+
+    def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
+        """Call ``hook_name(*args, **kwargs)`` on every callback that has such a method."""
+        for callback in self._callbacks:
+            method = getattr(callback, hook_name, None)
+            if method is None:
+                continue
+            if not callable(method):
+                raise TypeError(f"{type(callback).__name__}.{hook_name} is not callable")
+            method(*args, **kwargs)
+
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Log one metric to every logger (tensors become numbers)."""
+        self.log_dict({name: value}, step=step)
+
+    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log several metrics to every logger (tensors become numbers)."""
+        metrics = convert_tensors_to_scalars(dict(metrics))
+        for logger in self._loggers:
+            logger.log_metrics(metrics=metrics, step=step)
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+
+    def save(
+        self,
+        path: str | Path,
+        state: dict[str, Any],
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Write ``state`` to ``path`` atomically, once (from rank 0).
+
+        Modules and optimizers in ``state`` become their state dicts; ``filter`` maps a state key to a
+        ``(name, value) -> bool`` predicate choosing which entries of that object's state dict to keep.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"save(state=...) takes a dict, got {type(state).__name__}")
+        if filter is not None:
+            _check_filter(filter, state)
+        self._strategy.save_checkpoint(path, _unwrap_all(state), filter=filter)
+        self.barrier()
+
+    def load(
+        self,
+        path: str | Path,
+        state: dict[str, Any] | None = None,
+        strict: bool = True,
+        *,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` in place from ``path``; return the entries of the file not asked for.
+
+        Without ``state``, return the whole file. Loading refuses pickled code unless ``weights_only=False``.
+        """
+        unwrapped = _unwrap_all(state) if state is not None else None
+        remainder = self._strategy.load_checkpoint(path, state=unwrapped, strict=strict, weights_only=weights_only)
+        self.barrier()
+        if state is not None and unwrapped is not None:
+            for key, value in unwrapped.items():
+                if not is_wrapped(state[key]) and not isinstance(state[key], (Module, Optimizer)):
+                    state[key] = value
+        return remainder
+
+    def load_raw(self, path: str | Path, obj: Module | Optimizer, strict: bool = True, *, weights_only: bool | None = None) -> None:
+        """Load a file holding a bare state dict (e.g. from ``torch.save(model.state_dict())``) into ``obj``."""
+        target = unwrap(obj)
+        if not isinstance(target, (Module, Optimizer)):
+            raise TypeError(f"load_raw() loads into a Module or an Optimizer, got {type(obj).__name__}")
+        self._strategy.load_checkpoint(path, state=target, strict=strict, weights_only=weights_only)
+
+
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
+    """Seed ``random``, NumPy and torch; see ``Fabric.seed_everything``."""
+    return _seed_everything(seed=seed, workers=workers, verbose=verbose)
+
+
+def _do_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _as_list(value: Any, name: str) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _unwrap_all(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: unwrap(value) for key, value in state.items()}
+
+
+def _check_filter(filter: Any, state: dict[str, Any]) -> None:
+    if not isinstance(filter, dict):
+        raise TypeError(f"save(filter=...) takes a dict of state key -> callable, got {type(filter).__name__}")
+    for key, predicate in filter.items():
+        if key not in state:
+            raise ValueError(f"save(filter=...) has the key {key!r}, which is not in state (keys: {sorted(state)})")
+        if not callable(predicate):
+            raise TypeError(f"save(filter={{{key!r}: ...}}) must map to a callable (name, value) -> bool, got {predicate!r}")
+
+
+def _in_interactive_session() -> bool:
+    import __main__
+    import sys
+
+    return hasattr(sys, "ps1") or not hasattr(__main__, "__file__")

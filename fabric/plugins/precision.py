@@ -1,0 +1,211 @@
+"""Numeric precision: how parameters are stored, how forward runs (autocast or not), how backward/step scale.
+
+One class per family, each small: ``Precision`` (true precision of the default dtype, the fast path:
+no casting at all), ``DoublePrecision`` / ``HalfPrecision`` (parameters and inputs in one dtype),
+``MixedPrecision`` (autocast, with a gradient scaler for float16 on CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+PRECISION_ALIASES: dict[Any, str] = {
+    32: "32-true",
+    "32": "32-true",
+    64: "64-true",
+    "64": "64-true",
+    16: "16-mixed",
+    "16": "16-mixed",
+    "bf16": "bf16-mixed",
+}
+PRECISION_VALUES = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+
+def normalize_precision(precision: Any) -> str:
+    """Map a user's ``precision=`` (including the short aliases) to one of ``PRECISION_VALUES``."""
+    if precision is None:
+        return "32-true"
+    if isinstance(precision, bool):
+        precision = str(precision)
+    canonical = PRECISION_ALIASES.get(precision, precision)
+    if canonical not in PRECISION_VALUES:
+        accepted = ", ".join(repr(v) for v in (*PRECISION_VALUES, 32, 64, 16, "bf16"))
+        raise ValueError(f"precision={precision!r} is not supported; accepted: {accepted}")
+    return canonical
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    """Make ``dtype`` torch's default floating dtype inside the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if torch.is_floating_point(tensor) and tensor.dtype != dtype else tensor
+
+    if isinstance(data, torch.Tensor):
+        return cast(data)
+    return apply_to_collection(data, torch.Tensor, cast)
+
+
+class Precision:
+    """Full precision in torch's default dtype (``"32-true"``): every hook is a no-op, so it costs nothing."""
+
+    precision: str = "32-true"
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def module_init_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def forward_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        return data
+
+    def convert_output(self, data: Any) -> Any:
+        return data
+
+    @property
+    def is_identity(self) -> bool:
+        """True when forward needs no input/output conversion and no context (the wrapper's fast path)."""
+        return type(self) is Precision
+
+    def backward(self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        tensor.backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        return optimizer.step(**kwargs)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients back to their true scale before clipping (only scalers change anything)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.precision!r})"
+
+
+class _SingleDtypePrecision(Precision):
+    """Parameters, buffers and floating inputs all in one dtype; outputs back in the default dtype."""
+
+    dtype: torch.dtype
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(dtype=self.dtype)
+
+    def module_init_context(self) -> AbstractContextManager:
+        return default_dtype(self.dtype)
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return default_dtype(self.dtype)
+
+    def forward_context(self) -> AbstractContextManager:
+        return default_dtype(self.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        return _cast_floating(data, self.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return _cast_floating(data, torch.get_default_dtype())
+
+
+class DoublePrecision(_SingleDtypePrecision):
+    """``"64-true"``: everything in float64."""
+
+    precision = "64-true"
+    dtype = torch.float64
+
+
+class HalfPrecision(_SingleDtypePrecision):
+    """``"16-true"`` / ``"bf16-true"``: parameters and activations in float16 or bfloat16."""
+
+    def __init__(self, precision: str = "bf16-true") -> None:
+        if precision not in ("16-true", "bf16-true"):
+            raise ValueError(f"HalfPrecision(precision={precision!r}); accepted: '16-true', 'bf16-true'")
+        self.precision = precision
+        self.dtype = torch.float16 if precision == "16-true" else torch.bfloat16
+
+
+class MixedPrecision(Precision):
+    """``"16-mixed"`` / ``"bf16-mixed"``: float32 parameters, forward under ``torch.autocast``.
+
+    float16 on CUDA needs a gradient scaler so small gradients do not underflow; bfloat16 does not.
+    """
+
+    def __init__(self, precision: str, device: str, scaler: Any | None = None) -> None:
+        if precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(f"MixedPrecision(precision={precision!r}); accepted: '16-mixed', 'bf16-mixed'")
+        self.precision = precision
+        self.device = device
+        self.dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+        if scaler is None and precision == "16-mixed" and device == "cuda":
+            scaler = torch.amp.GradScaler("cuda")
+        if scaler is not None and precision == "bf16-mixed":
+            raise ValueError("precision='bf16-mixed' does not use a gradient scaler; pass scaler=None")
+        self.scaler = scaler
+
+    def forward_context(self) -> AbstractContextManager:
+        return torch.autocast(self.device, dtype=self.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return _cast_floating(data, torch.get_default_dtype())
+
+    def backward(self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        tensor.backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        if "closure" in kwargs:
+            raise ValueError("precision='16-mixed' with a gradient scaler cannot step with a closure")
+        result = self.scaler.step(optimizer, **kwargs)  # skips the step when gradients overflowed
+        self.scaler.update()
+        return result
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def precision_for(precision: str, device_type: str) -> Precision:
+    """The plugin for a normalized precision string on a device type ("cpu", "cuda", "mps")."""
+    if precision == "32-true":
+        return Precision()
+    if precision == "64-true":
+        return DoublePrecision()
+    if precision in ("16-true", "bf16-true"):
+        return HalfPrecision(precision)
+    return MixedPrecision(precision, device_type)

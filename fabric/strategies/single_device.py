@@ -1,0 +1,40 @@
+"""One process, one device: collectives are identities, nothing is launched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fabric.strategies.strategy import Strategy
+
+
+class SingleDeviceStrategy(Strategy):
+    """Runs everything in this process on ``device``."""
+
+    def __init__(self, device: torch.device | str | int = "cpu", accelerator: Any = None, checkpoint_io: Any = None, precision: Any = None) -> None:
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        self._root_device = torch.device(device)
+
+    @property
+    def root_device(self) -> torch.device:
+        return self._root_device
+
+    def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        # like Lightning Fabric: with one process no leading world dimension is added
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def __repr__(self) -> str:
+        return f"SingleDeviceStrategy(device={str(self._root_device)!r})"

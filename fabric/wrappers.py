@@ -1,0 +1,213 @@
+"""Thin wrappers that ``Fabric.setup*`` returns: the user's objects, with the strategy's behaviour added.
+
+They stay what they wrap: a ``FabricModule`` is an ``nn.Module`` with the same forward, attributes and
+state-dict keys; a ``FabricOptimizer`` is an instance of the user's optimizer class; a
+``FabricDataLoader`` iterates like the loader and moves batches to the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from fabric.utilities.apply_func import move_data_to_device
+
+if TYPE_CHECKING:
+    from fabric.strategies.strategy import Strategy
+
+_WRAPPER = "_forward_module."
+_OWN_ATTRIBUTES = frozenset({"_forward_module", "_original_module", "_strategy", "_precision", "_fast_forward", "_inner_prefix"})
+
+
+class FabricModule(Module):
+    """The module ``Fabric.setup`` returns; forward runs under the strategy's precision."""
+
+    def __init__(self, forward_module: Module, strategy: Strategy, original_module: Module | None = None) -> None:
+        super().__init__()
+        self._forward_module = forward_module
+        # kept out of ``_modules``: registering it twice would duplicate every key of the state dict
+        self.__dict__["_original_module"] = original_module if original_module is not None else forward_module
+        self._strategy = strategy
+        self._precision = strategy.precision
+        self._fast_forward = strategy.precision.is_identity
+        self._inner_prefix = _WRAPPER + _path_to(forward_module, self._original_module)
+        self._register_state_dict_hook(_drop_wrapper_prefix)
+        self._register_load_state_dict_pre_hook(_add_wrapper_prefix, with_module=True)
+        self.register_load_state_dict_post_hook(_report_without_prefix)
+        self.__dict__["_initialized"] = True
+
+    @property
+    def module(self) -> Module:
+        """The user's own module."""
+        return self._original_module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fast_forward:
+            return self._forward_module(*args, **kwargs)
+        precision = self._precision
+        args, kwargs = precision.convert_input((args, kwargs))
+        with precision.forward_context():
+            output = self._forward_module(*args, **kwargs)
+        return precision.convert_output(output)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original_module")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # after set-up, the user's attributes belong on their module, not on the wrapper
+        if not self.__dict__.get("_initialized") or name in _OWN_ATTRIBUTES:
+            super().__setattr__(name, value)
+        else:
+            setattr(self._original_module, name, value)
+
+    def __repr__(self) -> str:
+        return f"FabricModule({self._original_module!r})"
+
+
+def _path_to(root: Module, target: Module) -> str:
+    """Key prefix of ``target`` inside ``root`` ("" when they are the same, "module." inside DDP)."""
+    for name, submodule in root.named_modules():
+        if submodule is target:
+            return f"{name}." if name else ""
+    raise ValueError("the original module is not part of the wrapped module")
+
+
+def _drop_wrapper_prefix(module: FabricModule, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    inner = prefix + module._inner_prefix
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _add_wrapper_prefix(module: FabricModule, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    wrapped = prefix + _WRAPPER
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(wrapped)]:
+        state_dict[prefix + module._inner_prefix + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _report_without_prefix(module: FabricModule, incompatible_keys: Any) -> None:
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [key.replace(module._inner_prefix, "", 1) for key in keys]
+
+
+class FabricOptimizer:
+    """Mixed in front of the user's optimizer class; ``step`` goes through the strategy.
+
+    The wrapper shares the optimizer's parameter groups and state (same objects), so both views stay
+    in sync; ``load_state_dict`` goes to the original optimizer and refreshes the wrapper.
+    """
+
+    _optimizer: Optimizer
+    _strategy: Strategy
+
+    def __new__(cls, optimizer: Optimizer, strategy: Strategy) -> FabricOptimizer:
+        wrapper = object.__new__(_optimizer_class(type(optimizer)))
+        wrapper.__dict__.update(_shared_attributes(optimizer))
+        wrapper.__dict__["_optimizer"] = optimizer
+        wrapper.__dict__["_strategy"] = strategy
+        return wrapper
+
+    def __init__(self, optimizer: Optimizer, strategy: Strategy) -> None:
+        pass  # everything is set in __new__; the user's optimizer __init__ must not run again
+
+    @property
+    def optimizer(self) -> Optimizer:
+        return self._optimizer
+
+    def step(self, closure: Any = None) -> Any:
+        kwargs = {} if closure is None else {"closure": closure}
+        return self._strategy.optimizer_step(self._optimizer, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._strategy.get_optimizer_state(self._optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._optimizer.load_state_dict(state_dict)
+        self.__dict__.update(_shared_attributes(self._optimizer))
+
+    def __repr__(self) -> str:
+        return f"FabricOptimizer({self._optimizer!r})"
+
+
+_OPTIMIZER_CLASSES: dict[type, type] = {}
+
+
+def _optimizer_class(optimizer_class: type) -> type:
+    if optimizer_class not in _OPTIMIZER_CLASSES:
+        _OPTIMIZER_CLASSES[optimizer_class] = type(
+            f"Fabric{optimizer_class.__name__}", (FabricOptimizer, optimizer_class), {"__module__": __name__}
+        )
+    return _OPTIMIZER_CLASSES[optimizer_class]
+
+
+def _shared_attributes(optimizer: Optimizer) -> dict[str, Any]:
+    # "step" may be an instance attribute patched in by an LR scheduler; it must stay the optimizer's own
+    return {key: value for key, value in optimizer.__dict__.items() if key != "step"}
+
+
+class FabricDataLoader:
+    """Iterates like the wrapped loader, with batches moved to ``device`` and the sampler's epoch advanced."""
+
+    def __init__(self, dataloader: Any, device: torch.device | None = None) -> None:
+        self._dataloader = dataloader
+        self._device = device
+        self._num_iter_calls = 0
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @property
+    def dataloader(self) -> Any:
+        return self._dataloader
+
+    def __len__(self) -> int:
+        return len(self._dataloader)
+
+    def __iter__(self) -> Iterator[Any]:
+        _set_sampler_epoch(self._dataloader, self._num_iter_calls)
+        self._num_iter_calls += 1
+        if self._device is None:
+            yield from self._dataloader
+            return
+        for batch in self._dataloader:
+            yield move_data_to_device(batch, self._device)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_dataloader", "_device", "_num_iter_calls"):
+            raise AttributeError(name)
+        return getattr(self._dataloader, name)
+
+    def __repr__(self) -> str:
+        return f"FabricDataLoader({self._dataloader!r}, device={self._device})"
+
+
+def _set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """Reshuffle distributed shards every epoch without the user calling ``set_epoch``."""
+    for sampler in (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
+        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
+def unwrap(obj: Any) -> Any:
+    """The user's object behind a Fabric wrapper (or ``obj`` itself)."""
+    if isinstance(obj, FabricModule):
+        return obj._original_module
+    if isinstance(obj, FabricOptimizer):
+        return obj._optimizer
+    if isinstance(obj, FabricDataLoader):
+        return obj._dataloader
+    return obj
+
+
+def is_wrapped(obj: Any) -> bool:
+    return isinstance(obj, (FabricModule, FabricOptimizer, FabricDataLoader))
