@@ -1,0 +1,53 @@
+"""The interface every process launcher implements."""
+
+from __future__ import annotations
+
+import signal
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Launcher"]
+
+
+class Launcher(ABC):
+    """Starts the processes of a job and runs a function in each of them.
+
+    A strategy owns one launcher. ``Fabric.launch`` hands the user's function to
+    :meth:`launch`; the launcher decides how the other processes come to exist (by
+    re-running the script, by forking, by spawning) and keeps watch over them so that a
+    failure anywhere ends the whole job instead of leaving ranks waiting forever.
+    """
+
+    @property
+    @abstractmethod
+    def is_interactive_compatible(self) -> bool:
+        """Whether this launcher works from a notebook or a REPL.
+
+        Launchers that re-run the script or pickle the function by reference need a
+        real ``__main__`` file, which interactive sessions do not have.
+        """
+
+    @abstractmethod
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start the job's processes and run ``function(*args, **kwargs)``.
+
+        Returns what the function returned in the process with local rank 0.
+        """
+
+    @property
+    def requires_function(self) -> bool:
+        """Whether :meth:`launch` needs a real function to run.
+
+        True for launchers whose new processes run only that function (spawn, fork);
+        False for those that re-run the whole script, where ``launch`` may get a no-op.
+        """
+        return False
+
+    def kill(self, signum: int = signal.SIGTERM) -> None:
+        """Tear down every process this launcher started (and their subprocesses).
+
+        Strategies call this from their exception handler so that the other ranks do
+        not keep waiting in a collective for a rank that is gone. The default does
+        nothing: some launchers start no processes of their own.
+        """

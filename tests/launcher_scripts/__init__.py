@@ -1,0 +1,1 @@
+"""Scripts the launcher tests run as real processes."""

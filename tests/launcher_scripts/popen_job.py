@@ -1,0 +1,40 @@
+"""A job started with SubprocessScriptLauncher: `python popen_job.py --outdir D ...`.
+
+Also runnable as `python -m launcher_scripts.popen_job` from the tests directory.
+"""
+
+import signal
+import sys
+
+# Behave as in a terminal even if the test runner started us with SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+if __package__:
+    from .ranks import parser, rank_body
+    from .standin import StandInEnvironment, use_bare_fabric_package
+else:
+    from ranks import parser, rank_body
+    from standin import StandInEnvironment, use_bare_fabric_package
+
+use_bare_fabric_package()
+
+from fabric.strategies.launchers import SubprocessScriptLauncher
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    strategy_kills = "--strategy-kills" in argv  # behave like a strategy's on_exception
+    opts = parser().parse_args([a for a in argv if a != "--strategy-kills"])
+    launcher = SubprocessScriptLauncher(StandInEnvironment(), num_processes=opts.nprocs, num_nodes=1)
+    try:
+        result = launcher.launch(rank_body, opts)
+    except Exception:
+        if strategy_kills:
+            launcher.kill()
+            print(f"killed {len(launcher.procs)} children", flush=True)
+        raise
+    print(f"rank {result['rank']} returned", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,520 @@
+"""Launchers start real processes here: every test is about what actually happens to them.
+
+The scripts in ``launcher_scripts/`` run a small job with a stand-in cluster
+environment/strategy. Each rank writes its pid (and its grandchild's pid) to a JSON
+file so the tests can check that nothing of the job survives a failure, and the
+failing rank writes a timestamp so the tests can check how fast the job ended.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("the launcher process tests inspect /proc", allow_module_level=True)
+
+TESTS = Path(__file__).resolve().parent
+SCRIPTS = TESTS / "launcher_scripts"
+REPO = TESTS.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # so spawn workers can import launcher_scripts.mp_funcs
+
+from fabric.strategies.launchers import (  # noqa: E402
+    Launcher,
+    MultiprocessingLauncher,
+    RankFailedError,
+    SubprocessScriptLauncher,
+)
+from fabric.strategies.launchers.supervision import describe_exit, label_lines  # noqa: E402
+from launcher_scripts.standin import StandInEnvironment, StandInStrategy  # noqa: E402
+
+# The promise under test: after any failure the whole job is gone within this many seconds.
+FAIL_FAST_S = 5.0
+_JOB_VARS = (
+    "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "FABRIC_PARENT_PID", "FABRIC_STATUS_FD", "WORKER_SETUP_IDX",
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_all_dead(pids: list[int], timeout: float) -> float:
+    """Time (time.time()) at which every pid was seen dead; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return time.time()
+        if time.monotonic() > deadline:
+            pytest.fail(f"processes still alive: {alive}")
+        time.sleep(0.02)
+
+
+class Job:
+    """A launcher script running as a subprocess, with its output in files."""
+
+    def __init__(self, outdir: Path, proc: subprocess.Popen) -> None:
+        self.outdir = outdir
+        self.proc = proc
+        self.end_time: float | None = None
+
+    def ranks(self) -> dict[int, dict]:
+        return {
+            int(p.stem[4:]): json.loads(p.read_text()) for p in self.outdir.glob("rank*.json")
+        }
+
+    def wait_for_ranks(self, n: int, timeout: float = 30.0) -> dict[int, dict]:
+        deadline = time.monotonic() + timeout
+        while len(self.ranks()) < n:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"only ranks {sorted(self.ranks())} started; stderr:\n{self.stderr}")
+            time.sleep(0.05)
+        return self.ranks()
+
+    def wait(self, timeout: float = 40.0) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher did not finish in {timeout}s; stderr:\n{self.stderr}")
+        self.end_time = time.time()
+        return rc
+
+    def all_pids(self, include_grandchild_of: set[int] | None = None) -> list[int]:
+        pids = []
+        for rank, info in self.ranks().items():
+            pids.append(info["pid"])
+            if "grandchild" in info and (include_grandchild_of is None or rank in include_grandchild_of):
+                pids.append(info["grandchild"])
+        return pids
+
+    @property
+    def fail_time(self) -> float:
+        return float((self.outdir / "fail_time").read_text())
+
+    @property
+    def stdout(self) -> str:
+        return (self.outdir / "stdout.txt").read_text()
+
+    @property
+    def stderr(self) -> str:
+        return (self.outdir / "stderr.txt").read_text()
+
+
+@pytest.fixture
+def run_job(tmp_path):
+    """Start a launcher script; at teardown SIGKILL whatever the test left behind."""
+    jobs: list[Job] = []
+
+    def start(script: str, *args: str, module: bool = False) -> Job:
+        outdir = tmp_path / f"job{len(jobs)}"
+        outdir.mkdir()
+        env = {k: v for k, v in os.environ.items() if k not in _JOB_VARS}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONUNBUFFERED"] = "1"
+        if module:
+            cmd = [sys.executable, "-m", f"launcher_scripts.{script}"]
+            cwd = TESTS
+        else:
+            cmd = [sys.executable, str(SCRIPTS / f"{script}.py")]
+            cwd = REPO
+        with open(outdir / "stdout.txt", "wb") as out, open(outdir / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen(
+                [*cmd, "--outdir", str(outdir), *args],
+                cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        job = Job(outdir, proc)
+        jobs.append(job)
+        return job
+
+    yield start
+
+    for job in jobs:
+        for pid in [job.proc.pid, *job.all_pids()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:  # the session the test gave the launcher: anything of rank 0 left in it
+            os.killpg(job.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        job.proc.wait()
+
+
+@pytest.fixture
+def clean_environ():
+    saved = dict(os.environ)
+    for key in _JOB_VARS:
+        os.environ.pop(key, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+# --------------------------------------------------------------------------------------
+# popen: SubprocessScriptLauncher
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_popen_starts_ranks_with_shared_env_and_waits_for_them(run_job):
+    job = run_job("popen_job", "--nprocs", "3", "--linger", "1.0")
+    assert job.wait() == 0, job.stderr
+    ranks = job.ranks()
+    assert sorted(ranks) == [0, 1, 2]
+    # Rank 0 returned well before ranks 1 and 2; the launcher still waited for them.
+    for rank in range(3):
+        assert (job.outdir / f"done{rank}").exists()
+    done = {r: float((job.outdir / f"done{r}").read_text()) for r in range(3)}
+    assert done[0] < done[1] <= job.end_time and done[2] <= job.end_time
+
+    port = ranks[0]["env"]["MASTER_PORT"]
+    assert port and port.isdigit()
+    for rank in (1, 2):
+        env = ranks[rank]["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["NODE_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["MASTER_PORT"] == port
+        assert env["FABRIC_PARENT_PID"] == str(ranks[0]["pid"])
+        assert ranks[rank]["argv"][1:] == ranks[0]["argv"][1:]
+        assert ranks[rank]["cwd"] == ranks[0]["cwd"]
+        assert ranks[rank]["pgid"] == ranks[rank]["pid"]  # own process group
+    # Rank 0 keeps its own identity, but knows the shared address.
+    assert ranks[0]["env"]["LOCAL_RANK"] is None and ranks[0]["env"]["RANK"] is None
+    assert ranks[0]["env"]["NODE_RANK"] == "0"
+    assert sorted(line for line in job.stdout.splitlines()) == [f"rank {r} returned" for r in range(3)]
+    _wait_all_dead(job.all_pids(), timeout=2)
+
+
+@pytest.mark.timeout(60)
+def test_popen_forks_of_rank0_do_not_act_for_the_job(run_job):
+    job = run_job("popen_job", "--nprocs", "2", "--fork-noise", "--linger", "0.5")
+    assert job.wait() == 0, job.stderr
+    assert (job.outdir / "done1").exists()
+    assert "an exception in a forked copy of rank 0" in job.stderr  # reported as usual
+    assert "[fabric]" not in job.stderr  # but the job was not stopped
+
+
+@pytest.mark.timeout(60)
+def test_popen_reruns_python_dash_m(run_job):
+    job = run_job("popen_job", "--nprocs", "2", module=True)
+    assert job.wait() == 0, job.stderr
+    ranks = job.ranks()
+    assert ranks[0]["main_spec"] == ranks[1]["main_spec"] == "launcher_scripts.popen_job"
+    assert ranks[1]["cwd"] == str(TESTS)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("exception", "rank 1 raised an exception"),
+        ("sigkill", "rank 1 was killed by SIGKILL"),
+        ("exit", "rank 1 exited with code 3"),
+    ],
+)
+def test_popen_child_failure_ends_the_job(run_job, how, expected):
+    nprocs = 3 if how == "exception" else 2  # keep the run time down on small CI machines
+    job = run_job(
+        "popen_job", "--nprocs", str(nprocs), "--fail-rank", "1", "--how", how, "--block", "--grandchild"
+    )
+    rc = job.wait()
+    assert rc != 0
+    gone = _wait_all_dead(job.all_pids(), timeout=FAIL_FAST_S)
+    assert gone - job.fail_time < FAIL_FAST_S
+    assert job.end_time - job.fail_time < FAIL_FAST_S
+    assert len(job.ranks()) == nprocs
+    stderr = job.stderr
+    assert stderr.count(expected) == 1, stderr
+    if how == "exception":
+        assert stderr.count("Traceback (most recent call last)") == 1, stderr
+        assert "[rank 1] Traceback (most recent call last)" in stderr
+        assert "[rank 1] ValueError: boom from rank 1" in stderr
+
+
+@pytest.mark.timeout(60)
+def test_popen_blames_the_dead_rank_not_its_echoes(run_job):
+    """Peers of a killed rank fail right after it; the report must name the killed one."""
+    job = run_job("popen_job", "--nprocs", "3", "--fail-rank", "1", "--how", "sigkill", "--echo", "--grandchild")
+    assert job.wait() != 0
+    _wait_all_dead(job.all_pids(), timeout=FAIL_FAST_S)
+    reports = [line for line in job.stderr.splitlines() if line.startswith("[fabric]")]
+    assert len(reports) == 1 and "rank 1 was killed by SIGKILL" in reports[0], job.stderr
+
+
+@pytest.mark.timeout(60)
+def test_popen_child_failure_after_rank0_returned(run_job):
+    """Rank 0 is already waiting at exit when rank 1 fails: the job must still fail."""
+    job = run_job("popen_job", "--nprocs", "2", "--fail-rank", "1", "--fail-after", "1.0")
+    assert job.wait() != 0
+    assert (job.outdir / "done0").exists()
+    assert job.end_time - job.fail_time < FAIL_FAST_S
+    assert job.stderr.count("[rank 1] ValueError: boom from rank 1") == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["exception", "sysexit"])
+def test_popen_rank0_failure_kills_children(run_job, how):
+    job = run_job("popen_job", "--nprocs", "2", "--fail-rank", "0", "--how", how, "--block", "--grandchild")
+    rc = job.wait()
+    assert rc == (1 if how == "exception" else 3), job.stderr
+    gone = _wait_all_dead(job.all_pids(), timeout=FAIL_FAST_S)
+    assert gone - job.fail_time < FAIL_FAST_S
+    if how == "exception":
+        assert job.stderr.count("Traceback (most recent call last)") == 1, job.stderr
+        assert "[rank 0] ValueError: boom from rank 0" in job.stderr
+
+
+@pytest.mark.timeout(60)
+def test_popen_kill_called_by_the_strategy(run_job):
+    job = run_job(
+        "popen_job", "--nprocs", "2", "--fail-rank", "0", "--block", "--grandchild", "--strategy-kills"
+    )
+    assert job.wait() == 1
+    assert "killed 1 children" in job.stdout
+    _wait_all_dead(job.all_pids(), timeout=FAIL_FAST_S)
+    assert job.stderr.count("Traceback (most recent call last)") == 1, job.stderr
+    assert "[fabric]" not in job.stderr  # the deliberate kill is no second failure report
+
+
+@pytest.mark.timeout(60)
+def test_popen_rank0_sigkilled_children_stop_themselves(run_job):
+    job = run_job("popen_job", "--nprocs", "3", "--block", "--grandchild")
+    ranks = job.wait_for_ranks(3)
+    killed_at = time.time()
+    os.kill(ranks[0]["pid"], signal.SIGKILL)
+    assert job.wait() == -signal.SIGKILL
+    # Rank 0 had no chance to clean up; its children (and theirs) must go on their own.
+    # (Rank 0's own `sleep` is orphaned: nobody is left who could know about it.)
+    gone = _wait_all_dead(job.all_pids(include_grandchild_of={1, 2}), timeout=FAIL_FAST_S)
+    assert gone - killed_at < FAIL_FAST_S
+    assert "the launching process" in job.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("signum", "codes"), [(signal.SIGINT, (130, -2)), (signal.SIGTERM, (143, -15))])
+def test_popen_signal_to_launcher_tears_down_the_job(run_job, signum, codes):
+    job = run_job("popen_job", "--nprocs", "2", "--block", "--grandchild")
+    job.wait_for_ranks(2)
+    sent_at = time.time()
+    os.kill(job.proc.pid, signum)
+    assert job.wait() in codes, job.stderr
+    gone = _wait_all_dead(job.all_pids(), timeout=FAIL_FAST_S)
+    assert gone - sent_at < FAIL_FAST_S
+
+
+@pytest.mark.timeout(30)
+def test_popen_kill_method_and_single_process(clean_environ):
+    # One process: nothing to start, the function just runs here.
+    launcher = SubprocessScriptLauncher(StandInEnvironment(), num_processes=1, num_nodes=1)
+    assert isinstance(launcher, Launcher)
+    assert not launcher.is_interactive_compatible
+    assert launcher.launch(lambda x, y=0: x + y, 2, y=3) == 5
+    assert os.environ["MASTER_PORT"].isdigit()
+    assert launcher.procs == []
+    launcher.kill()  # nothing started: a no-op
+    assert pickle.loads(pickle.dumps(launcher)).num_processes == 1
+    with pytest.raises(ValueError, match="num_processes"):
+        SubprocessScriptLauncher(StandInEnvironment(), num_processes=0, num_nodes=1)
+
+
+@pytest.mark.timeout(30)
+def test_popen_child_side_does_not_start_processes(clean_environ, monkeypatch):
+    # A rank started by torchrun (LOCAL_RANK set, no marker of ours): run, start nothing.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    launcher = SubprocessScriptLauncher(StandInEnvironment(), num_processes=4, num_nodes=1)
+    assert launcher.launch(lambda: "ran") == "ran"
+    assert launcher.procs == []
+
+
+# --------------------------------------------------------------------------------------
+# spawn / fork / forkserver: MultiprocessingLauncher
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_spawn_returns_tensors_and_nested_structures(clean_environ):
+    import torch
+    from launcher_scripts import mp_funcs
+
+    launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="spawn")
+    assert not launcher.is_interactive_compatible
+    # A tensor argument: skipped by the pickling probe, shared with the workers by torch.
+    result = launcher.launch(mp_funcs.return_structures, torch.tensor(2.0))
+    assert result["rank"] == 0 and result["value"] == 42
+    assert result["setup_idx"] == "0"  # _worker_setup ran before the function
+    assert result["master_port"] == os.environ["MASTER_PORT"]
+    assert torch.equal(result["tensor"], torch.arange(4.0) * 2.0)
+    assert torch.equal(result["nested"]["ones"], torch.ones(2, 2))
+    assert torch.equal(result["nested"]["items"][0], torch.zeros(3, dtype=torch.int64))
+    assert result["nested"]["items"][1] == "text"
+    assert launcher.procs == []
+
+
+@pytest.mark.timeout(60)
+def test_fork_returns_a_cpu_tensor(clean_environ):
+    import torch
+    from launcher_scripts import mp_funcs
+
+    launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="fork")
+    assert launcher.is_interactive_compatible
+    assert torch.equal(launcher.launch(mp_funcs.return_tensor), torch.full((3,), 7.0))
+    # fork pickles nothing, so even a local function works.
+    assert launcher.launch(lambda: os.environ["RANK"]) == "0"
+
+
+@pytest.mark.timeout(60)
+def test_spawn_failure_raises_with_rank_and_traceback(clean_environ):
+    from launcher_scripts import mp_funcs
+
+    launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="spawn")
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launcher.launch(mp_funcs.fail_on_rank, 1)
+    assert time.monotonic() - start < 30  # rank 0 would sleep 60 s if it were not stopped
+    err = info.value
+    assert err.rank == 1
+    message = str(err)
+    assert message.startswith("rank 1 raised an exception")
+    assert "[rank 1] Traceback (most recent call last)" in message
+    assert "[rank 1] ValueError: boom from rank 1" in message
+    assert "fail_on_rank" in message
+    # The error survives pickling (e.g. when re-raised across processes).
+    assert str(pickle.loads(pickle.dumps(err))) == message
+
+
+@pytest.mark.timeout(60)
+def test_multiprocessing_kill_from_another_thread(clean_environ):
+    import threading
+
+    from launcher_scripts import mp_funcs
+
+    launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="fork")
+    timer = threading.Timer(1.0, launcher.kill)
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="was killed by SIGTERM"):
+        launcher.launch(mp_funcs.fail_on_rank, -1)  # every rank sleeps 60 s
+    assert time.monotonic() - start < 10
+    timer.join()
+
+
+def _local_function() -> int:
+    return 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_unpicklable_function_fails_before_starting_anything(clean_environ, start_method):
+    def nested() -> None:
+        pass
+
+    launcher = MultiprocessingLauncher(StandInStrategy(2), start_method=start_method)
+    for function in (lambda: None, nested):
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="could not be pickled") as info:
+            launcher.launch(function)
+        message = str(info.value)
+        assert "top level" in message and "fork" in message and "'ddp'" in message
+        assert "pickl" in str(info.value.__cause__).lower() or "local object" in message
+        assert time.monotonic() - start < 1.0
+    assert launcher.procs == []
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []
+    # Arguments are checked as well.
+    with pytest.raises(RuntimeError, match="arguments passed to launch"):
+        launcher.launch(_local_function, lambda: None)
+
+
+@pytest.mark.timeout(10)
+def test_bad_start_method():
+    with pytest.raises(ValueError, match="'bogus'.*'spawn', 'fork', 'forkserver'"):
+        MultiprocessingLauncher(StandInStrategy(1), start_method="bogus")
+
+
+@pytest.mark.timeout(60)
+def test_fork_worker_killed_by_signal(run_job):
+    # --echo: the other ranks raise the moment rank 1 is gone; rank 1 must still be blamed.
+    job = run_job("mp_job", "--start-method", "fork", "--nprocs", "3", "--fail-rank", "1", "--how", "sigkill",
+                  "--echo", "--grandchild")
+    assert job.wait() == 1, job.stderr
+    report = json.loads(job.stdout.strip().splitlines()[-1])
+    assert report["rank"] == 1 and report["exitcode"] == -signal.SIGKILL
+    assert report["message"] == "rank 1 was killed by SIGKILL"
+    gone = _wait_all_dead(job.all_pids(), timeout=FAIL_FAST_S)
+    assert gone - job.fail_time < FAIL_FAST_S
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("start_method", "signum", "codes"),
+    [("spawn", signal.SIGTERM, (143,)), ("fork", signal.SIGINT, (130, -2)), ("fork", signal.SIGKILL, (-9,))],
+)
+def test_multiprocessing_launcher_killed(run_job, start_method, signum, codes):
+    job = run_job("mp_job", "--start-method", start_method, "--nprocs", "2", "--block", "--grandchild")
+    job.wait_for_ranks(2)
+    sent_at = time.time()
+    os.kill(job.proc.pid, signum)
+    assert job.wait() in codes, job.stderr
+    gone = _wait_all_dead(job.all_pids(), timeout=FAIL_FAST_S)
+    assert gone - sent_at < FAIL_FAST_S
+
+
+# --------------------------------------------------------------------------------------
+# Small pieces
+# --------------------------------------------------------------------------------------
+
+
+def test_exit_descriptions_and_labels():
+    assert describe_exit(2, -signal.SIGKILL) == "rank 2 was killed by SIGKILL"
+    assert describe_exit(0, 3) == "rank 0 exited with code 3"
+    assert describe_exit(1, 1, raised=True) == "rank 1 raised an exception (exit code 1)"
+    assert label_lines("a\nb\n", 3) == "[rank 3] a\n[rank 3] b\n"
+
+
+@pytest.mark.timeout(60)
+def test_import_does_not_pull_in_torch():
+    """The launcher modules themselves import only the standard library at module level."""
+    # Bypass fabric/__init__ (which may import torch for its own reasons) with bare packages.
+    code = (
+        "import sys, types\n"
+        "for name, path in (('fabric', 'fabric'), ('fabric.strategies', 'fabric/strategies')):\n"
+        "    mod = types.ModuleType(name); mod.__path__ = [path]; sys.modules[name] = mod\n"
+        "import fabric.strategies.launchers\n"
+        "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.timeout(30)
+def test_unpicklable_function_inside_a_partial_is_named(clean_environ):
+    import functools
+
+    def train_loop() -> None:
+        pass
+
+    launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="spawn")
+    assert launcher.requires_function
+    with pytest.raises(RuntimeError, match=r"\(.*train_loop\) could not be pickled"):
+        launcher.launch(functools.partial(_local_function, train_loop))
