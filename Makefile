@@ -17,7 +17,7 @@ venv: $(STAMP)
 
 ## The main job: the example training run as a 2-process DDP job on the CPU.
 demo: venv
-	$(PYTHON) examples/fabric_loop.py --accelerator cpu --devices 2 --strategy ddp
+	$(PYTHON) examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp
 
 ## The test suite (Horovod tests run when Horovod is installed: see `make horovod`).
 test: venv

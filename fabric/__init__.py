@@ -1,6 +1,23 @@
-"""fabric: a thin, fast, dependable acceleration layer for PyTorch training loops."""
+"""fabric: a thin, fast, dependable acceleration layer for PyTorch training loops.
 
-from fabric.fabric import Fabric, seed_everything
+``Fabric`` and ``seed_everything`` are resolved on first use, so ``fabric run`` (and anything else
+that only needs a submodule) starts ranks without first paying for ``import torch``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 __all__ = ["Fabric", "seed_everything"]
+
+if TYPE_CHECKING:
+    from fabric.fabric import Fabric, seed_everything
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from fabric import fabric as _facade
+
+        return getattr(_facade, name)
+    raise AttributeError(f"module 'fabric' has no attribute {name!r}")
