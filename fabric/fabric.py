@@ -382,11 +382,15 @@ class Fabric:
             method(*args, **kwargs)
 
     def log(self, name: str, value: Any, step: int | None = None) -> None:
-        """Log one metric to every logger (tensors become numbers)."""
+        """Log one metric to every logger (tensors become numbers).
+
+        Call it on every rank, as in Lightning: each logger decides who writes, and the loggers this
+        package ships (``CSVLogger``, ``TensorBoardLogger``) write on global rank 0 only.
+        """
         self.log_dict({name: value}, step=step)
 
     def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Log several metrics to every logger (tensors become numbers)."""
+        """Log several metrics to every logger (tensors become numbers); see ``log`` for which rank writes."""
         metrics = convert_tensors_to_scalars(dict(metrics))
         for logger in self._loggers:
             logger.log_metrics(metrics=metrics, step=step)

@@ -1,0 +1,215 @@
+"""Metrics to a CSV file (``metrics.csv``) and hyperparameters to ``hparams.json``: no dependencies."""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import json
+import os
+import weakref
+from argparse import Namespace
+from collections.abc import Mapping
+from typing import Any
+
+from fabric.loggers.logger import (
+    DEFAULT_NAME,
+    Logger,
+    add_prefix,
+    check_version,
+    next_version,
+    params_to_dict,
+    rank_zero_only,
+    to_number,
+    version_folder,
+)
+
+__all__ = ["CSVLogger"]
+
+METRICS_FILE = "metrics.csv"
+HPARAMS_FILE = "hparams.json"
+
+
+class CSVLogger(Logger):
+    """Log metrics to ``root_dir/name/version_N/metrics.csv``, one row per ``log_metrics`` call.
+
+    Args:
+        root_dir: the folder for all experiments.
+        name: the experiment's folder under ``root_dir``.
+        version: the run's folder: None takes the next free ``version_N``; an int N means ``version_N``;
+            a str is used as it is. An existing ``metrics.csv`` in that folder is continued (resuming a run).
+        prefix: put in front of every metric name (``"prefix-name"``).
+        flush_logs_every_n_steps: rows are buffered and written every this many rows (and by
+            ``save``/``finalize``, and when the interpreter exits).
+
+    Columns are ``step`` and then every metric name in the order first seen; when a new name appears the
+    file is rewritten with the wider header (earlier rows get empty cells). Only global rank 0 writes.
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        name: str = DEFAULT_NAME,
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
+        if isinstance(flush_logs_every_n_steps, bool) or not isinstance(flush_logs_every_n_steps, int) or flush_logs_every_n_steps < 1:
+            raise ValueError(f"flush_logs_every_n_steps={flush_logs_every_n_steps!r} is not valid; accepted: an int >= 1")
+        self._root_dir = os.fspath(root_dir)
+        self._name = name or ""
+        self._version = check_version(version)
+        self._prefix = prefix
+        self._flush_every = flush_logs_every_n_steps
+        self._rows: list[dict[str, Any]] = []  # not yet written
+        self._columns: list[str] | None = None  # the header of the file on disk (None: not read yet)
+        self._logged_rows = 0
+        self._hparams: dict[str, Any] = {}
+        self._save_at_exit()
+
+    def _save_at_exit(self) -> None:
+        # buffered rows must not be lost when the script ends without finalize()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (logger := ref()) is not None and logger.save())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy sent to another process (spawn) starts without this process's unwritten rows
+        state = self.__dict__.copy()
+        state["_rows"] = []
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._save_at_exit()
+
+    # ---- where ------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        """Decided on first use: the next free ``version_N`` when none was given."""
+        if self._version is None:
+            self._version = next_version(os.path.join(self._root_dir, self._name))
+        return self._version
+
+    @property
+    def root_dir(self) -> str:
+        return self._root_dir
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self._root_dir, self._name, version_folder(self.version))
+
+    @property
+    def metrics_file_path(self) -> str:
+        return os.path.join(self.log_dir, METRICS_FILE)
+
+    @property
+    def experiment(self) -> CSVLogger:
+        """The object that writes (the logger itself: there is no third-party writer)."""
+        return self
+
+    # ---- logging ----------------------------------------------------------------------------------
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Buffer one row; ``step`` defaults to the number of rows logged before it."""
+        row = {key: to_number(value) for key, value in add_prefix(metrics, self._prefix).items()}
+        if "step" in row:
+            raise ValueError("'step' is the CSV's step column; pass it as log_metrics(..., step=...) instead of as a metric")
+        row["step"] = self._logged_rows if step is None else int(to_number(step))
+        self._rows.append(row)
+        self._logged_rows += 1
+        if len(self._rows) >= self._flush_every:
+            self.save()
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        """Merge ``params`` into ``hparams.json`` (written at once; values JSON cannot hold become strings)."""
+        self._hparams.update(params_to_dict(params))
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = os.path.join(self.log_dir, HPARAMS_FILE)
+        _write_atomically(path, json.dumps(_jsonable(self._hparams), indent=2, sort_keys=True) + "\n")
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Write the buffered rows: appended, or the whole file rewritten when new columns appeared."""
+        if not self._rows:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        path = self.metrics_file_path
+        if self._columns is None:
+            self._columns = _read_header(path)
+        columns = list(self._columns)
+        for row in self._rows:
+            columns.extend(key for key in row if key not in columns)
+        if "step" in columns:
+            columns.remove("step")
+        columns.insert(0, "step")
+        if columns == self._columns and os.path.exists(path):
+            with open(path, "a", newline="", encoding="utf-8") as handle:
+                csv.DictWriter(handle, fieldnames=columns).writerows(self._rows)
+        else:
+            old_rows = _read_rows(path)
+            _write_csv_atomically(path, columns, [*old_rows, *self._rows])
+        self._columns = columns
+        self._rows = []
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.save()
+
+    def __repr__(self) -> str:
+        return f"CSVLogger(root_dir={self._root_dir!r}, name={self._name!r}, version={self._version!r})"
+
+
+def _read_header(path: str) -> list[str]:
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            return next(csv.reader(handle), [])
+    except FileNotFoundError:
+        return []
+
+
+def _read_rows(path: str) -> list[dict[str, Any]]:
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            return list(csv.DictReader(handle))
+    except FileNotFoundError:
+        return []
+
+
+def _write_csv_atomically(path: str, columns: list[str], rows: list[dict[str, Any]]) -> None:
+    """Readers (a plotting script, ``tail -f``) see the old file or the new one, never half of it."""
+    temp = f"{path}.tmp{os.getpid()}"
+    with open(temp, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(temp, path)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    temp = f"{path}.tmp{os.getpid()}"
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(temp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Namespace):
+        value = vars(value)
+    if isinstance(value, Mapping):
+        return {str(key): _jsonable(inner) for key, inner in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(inner) for inner in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    try:
+        number = to_number(value)
+    except ValueError:  # a tensor or array of several elements
+        tolist = getattr(value, "tolist", None)
+        return tolist() if callable(tolist) else str(value)
+    return str(value) if number is value else _jsonable(number)

@@ -1,0 +1,135 @@
+"""The interface every logger implements (Lightning Fabric's ``Logger``), plus shared helpers."""
+
+from __future__ import annotations
+
+import os
+import re
+from abc import ABC, abstractmethod
+from argparse import Namespace
+from collections.abc import Mapping
+from typing import Any
+
+from fabric.utilities.rank_zero import rank_zero_only
+
+__all__ = ["Logger", "rank_zero_only"]
+
+DEFAULT_NAME = "fabric_logs"
+_VERSION_DIR = re.compile(r"version_(\d+)")
+
+
+class Logger(ABC):
+    """Where ``fabric.log`` / ``fabric.log_dict`` send metrics.
+
+    A logger decides itself which processes write; ours write on global rank 0 only, so calling
+    them from every rank is safe. Subclasses implement ``name``, ``version``, ``log_metrics`` and
+    ``log_hyperparams``; the rest have harmless defaults.
+    """
+
+    @property
+    @abstractmethod
+    def name(self) -> str | None:
+        """The experiment's name (a folder under ``root_dir`` for file-based loggers)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int | str | None:
+        """The run's version within the experiment (``version_N`` folders for file-based loggers)."""
+
+    @property
+    def root_dir(self) -> str | None:
+        """The folder that holds every experiment of this logger, or None if it writes no files."""
+        return None
+
+    @property
+    def log_dir(self) -> str | None:
+        """The folder this run writes to, or None if it writes no files."""
+        return None
+
+    @property
+    def group_separator(self) -> str:
+        """The character that groups metric names (``"train/loss"``) in loggers that support groups."""
+        return "/"
+
+    @abstractmethod
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Record ``metrics`` (name -> number) at ``step``."""
+
+    @abstractmethod
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        """Record the run's hyperparameters."""
+
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """Record the model's graph, where the logger can show one (the default does nothing)."""
+
+    def save(self) -> None:
+        """Write what is buffered (the default has nothing buffered)."""
+
+    def finalize(self, status: str) -> None:
+        """End the run (``status``: "success", "failed", ...); writes what is buffered."""
+        self.save()
+
+
+def next_version(experiment_dir: str) -> int:
+    """One more than the highest ``version_N`` folder in ``experiment_dir`` (0 when there is none)."""
+    try:
+        entries = os.listdir(experiment_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    found = [int(m.group(1)) for entry in entries if (m := _VERSION_DIR.fullmatch(entry))]
+    return max(found) + 1 if found else 0
+
+
+def version_folder(version: int | str) -> str:
+    return version if isinstance(version, str) else f"version_{version}"
+
+
+def check_version(version: Any) -> int | str | None:
+    if version is None or isinstance(version, str):
+        return version
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version={version!r} is not valid; accepted: None (the next free one), an int >= 0 or a str")
+    return version
+
+
+def to_number(value: Any) -> Any:
+    """Tensors and NumPy values of one element become Python numbers; anything else is kept."""
+    item = getattr(value, "item", None)
+    if item is None or not callable(item) or isinstance(value, (bool, int, float, str)):
+        return value
+    numel = getattr(value, "numel", None)
+    size = numel() if callable(numel) else getattr(value, "size", 1)
+    if size != 1:
+        raise ValueError(f"Only one-element tensors or arrays can be logged as numbers, got one with {size} elements")
+    return item()
+
+
+def add_prefix(metrics: Mapping[str, Any], prefix: str, separator: str = "-") -> dict[str, Any]:
+    if not prefix:
+        return dict(metrics)
+    return {f"{prefix}{separator}{key}": value for key, value in metrics.items()}
+
+
+def params_to_dict(params: Any) -> dict[str, Any]:
+    """Hyperparameters as a plain dict: from a dict, an ``argparse.Namespace`` or any mapping."""
+    if isinstance(params, Namespace):
+        return dict(vars(params))
+    if isinstance(params, Mapping):
+        return dict(params)
+    raise TypeError(f"log_hyperparams() takes a dict or an argparse.Namespace, got {type(params).__name__}")
+
+
+def flatten(params: Mapping[str, Any], separator: str = "/") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}`` (for loggers that show one level only)."""
+    flat: dict[str, Any] = {}
+
+    def visit(prefix: str, value: Any) -> None:
+        if isinstance(value, Namespace):
+            value = vars(value)
+        if isinstance(value, Mapping):
+            for key, inner in value.items():
+                visit(f"{prefix}{separator}{key}" if prefix else str(key), inner)
+        else:
+            flat[prefix] = value
+
+    visit("", params)
+    return flat

@@ -1,0 +1,171 @@
+"""Metrics, hyperparameters and graphs to TensorBoard event files.
+
+tensorboard is an optional dependency: it is imported when a ``TensorBoardLogger`` is constructed,
+never by ``import fabric`` or ``import fabric.loggers``.
+"""
+
+from __future__ import annotations
+
+import os
+from argparse import Namespace
+from collections.abc import Mapping
+from typing import Any
+
+from fabric.loggers.logger import (
+    DEFAULT_NAME,
+    Logger,
+    add_prefix,
+    check_version,
+    flatten,
+    next_version,
+    params_to_dict,
+    rank_zero_only,
+    to_number,
+    version_folder,
+)
+
+__all__ = ["TensorBoardLogger"]
+
+_INSTALL_HINT = (
+    "TensorBoardLogger needs the tensorboard package, which is not installed."
+    " Install it with `pip install fabric-torch[tensorboard]` (or `pip install tensorboard`)."
+)
+
+
+class TensorBoardLogger(Logger):
+    """Log to ``root_dir/name/version_N[/sub_dir]`` in TensorBoard's event-file format.
+
+    Args:
+        root_dir: the folder for all experiments (``tensorboard --logdir root_dir``).
+        name: the experiment's folder under ``root_dir``.
+        version: None takes the next free ``version_N``; an int N means ``version_N``; a str is used as is.
+        default_hp_metric: with ``log_hyperparams(params)`` and no metrics, also log ``hp_metric=-1`` so
+            TensorBoard's HPARAMS tab shows the run (log a real ``hp_metric`` later to fill it in).
+        prefix: put in front of every metric name (``"prefix-name"``).
+        sub_dir: an extra folder under the version folder.
+        **kwargs: passed to ``torch.utils.tensorboard.SummaryWriter`` (e.g. ``flush_secs``).
+
+    Only global rank 0 creates the writer and files.
+    """
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        name: str = DEFAULT_NAME,
+        version: int | str | None = None,
+        default_hp_metric: bool = True,
+        prefix: str = "",
+        sub_dir: str | os.PathLike | None = None,
+        **kwargs: Any,
+    ) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:  # torch raises ImportError when tensorboard is absent
+            raise ImportError(_INSTALL_HINT) from err
+        self._writer_class = SummaryWriter
+        self._root_dir = os.fspath(root_dir)
+        self._name = name or ""
+        self._version = check_version(version)
+        self._default_hp_metric = default_hp_metric
+        self._prefix = prefix
+        self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
+        self._kwargs = kwargs
+        self._writer: Any = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = next_version(os.path.join(self._root_dir, self._name))
+        return self._version
+
+    @property
+    def root_dir(self) -> str:
+        return self._root_dir
+
+    @property
+    def log_dir(self) -> str:
+        path = os.path.join(self._root_dir, self._name, version_folder(self.version))
+        return os.path.join(path, self._sub_dir) if self._sub_dir else path
+
+    @property
+    def sub_dir(self) -> str | None:
+        return self._sub_dir
+
+    @property
+    def experiment(self) -> Any:
+        """The ``SummaryWriter`` (created on first use, on rank 0 only; None on the other ranks)."""
+        if self._writer is None and rank_zero_only.rank == 0:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = self._writer_class(log_dir=self.log_dir, **self._kwargs)
+        return self._writer
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """One scalar per metric; a dict value becomes a group of scalars in one chart."""
+        step = None if step is None else int(to_number(step))
+        for key, value in add_prefix(metrics, self._prefix).items():
+            if isinstance(value, Mapping):
+                self.experiment.add_scalars(key, {k: to_number(v) for k, v in value.items()}, step)
+            else:
+                self.experiment.add_scalar(key, to_number(value), step)
+
+    @rank_zero_only
+    def log_hyperparams(
+        self, params: dict[str, Any] | Namespace, metrics: Mapping[str, Any] | None = None, *args: Any, **kwargs: Any
+    ) -> None:
+        """Show ``params`` (nested dicts flattened to ``a/b``) in TensorBoard's HPARAMS tab."""
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = {key: _hparam_value(value) for key, value in flatten(params_to_dict(params)).items()}
+        if metrics is None and self._default_hp_metric:
+            metrics = {"hp_metric": -1}
+        metrics = {key: to_number(value) for key, value in (metrics or {}).items()}
+        experiment, session_start, session_end = hparams(flat, metrics)
+        writer = self.experiment._get_file_writer()
+        for summary in (experiment, session_start, session_end):
+            writer.add_summary(summary)
+        if metrics:
+            self.log_metrics(metrics, step=0)
+
+    @rank_zero_only
+    def log_graph(self, model: Any, input_array: Any = None) -> None:
+        """Trace ``model`` with ``input_array`` (or its ``example_input_array``) and show the graph."""
+        example = input_array if input_array is not None else getattr(model, "example_input_array", None)
+        if example is None:
+            raise ValueError("log_graph() needs input_array (or a model with an example_input_array) to trace the model")
+        module = getattr(model, "module", model)  # a FabricModule / DDP wrapper traces as its inner module
+        self.experiment.add_graph(module, example)
+
+    @rank_zero_only
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a SummaryWriter holds a thread and a file: a copy sent to another process makes its own
+        state = self.__dict__.copy()
+        state["_writer"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"TensorBoardLogger(root_dir={self._root_dir!r}, name={self._name!r}, version={self._version!r})"
+
+
+def _hparam_value(value: Any) -> Any:
+    """TensorBoard shows numbers, strings, bools and tensors; anything else is shown as its str."""
+    try:
+        value = to_number(value)
+    except ValueError:
+        return str(value)
+    return value if isinstance(value, (bool, int, float, str)) else str(value)

@@ -1,0 +1,284 @@
+"""`fabric run`: option parsing and errors (in-process), and real launches (subprocesses).
+
+What the launches must show: the script gets the options through FABRIC_* variables and each rank
+the torchrun-style rank variables; one process is the script itself (same pid); the exit status is
+the job's; a failing rank brings the node's job down; a signal to `fabric run` ends every rank, and
+so does `fabric run` being killed outright.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fabric import cli
+from multinode_scripts.support import (
+    PYTHON,
+    REPO,
+    SCRIPTS,
+    fabric_run,
+    read_ranks,
+    run,
+    start,
+    wait_dead,
+    wait_for_files,
+)
+
+RANKS_ENV = SCRIPTS / "ranks_env.py"
+LINUX = sys.platform.startswith("linux")
+
+
+def _main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    return int(info.value.code or 0), out, err
+
+
+# ---- help and top level ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_run_help_lists_every_option_with_lightning_names(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _main(["run", "--help"], capsys)
+    assert code == 0
+    assert out.startswith("usage: fabric run [options] SCRIPT [SCRIPT_ARGS ...]")
+    for flag in ("--accelerator", "--strategy", "--devices", "--num-nodes", "--num_nodes", "--node-rank",
+                 "--main-address", "--main-port", "--precision"):
+        assert flag in out
+    assert "29400" in out and "127.0.0.1" in out
+
+
+@pytest.mark.timeout(10)
+def test_top_level_usage_version_and_unknown_command(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _main([], capsys)
+    assert code == 2 and "commands:" in out and "run" in out
+    code, out, _ = _main(["--help"], capsys)
+    assert code == 0 and "fabric run --help" in out
+    code, out, _ = _main(["--version"], capsys)
+    assert code == 0 and out.startswith("fabric ")
+    code, _, err = _main(["train"], capsys)
+    assert code == 2 and "unknown command 'train'" in err and "accepted: run" in err
+
+
+@pytest.mark.timeout(20)
+def test_the_cli_module_imports_no_torch() -> None:
+    """`fabric run` must not pay for torch before starting ranks (fabric/__init__ aside, see the report)."""
+    code = (
+        "import sys, types\n"
+        "pkg = types.ModuleType('fabric'); pkg.__path__ = [sys.argv[1]]; sys.modules['fabric'] = pkg\n"
+        "import fabric.cli as cli\n"
+        "cli.build_run_parser(); cli.parse_run_args(['--devices', '2', sys.argv[2]])\n"
+        "heavy = [m for m in ('torch', 'numpy', 'lightning_utilities') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    run([PYTHON, "-c", code, str(REPO / "fabric"), str(RANKS_ENV)], timeout=15)
+
+
+# ---- bad options: exit status 2, the value and the accepted ones named -------------------------------
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--accelerator", "tpu"], ["'tpu'", "cpu", "cuda", "mps"]),
+        (["--strategy", "fsdp"], ["'fsdp'", "ddp", "dp"]),
+        (["--strategy", "ddp_spawn"], ["'ddp_spawn'", "starts its own processes", "ddp"]),
+        (["--strategy", "horovod"], ["'horovod'", "horovodrun"]),
+        (["--precision", "8"], ["'8'", "bf16-mixed", "32-true"]),
+        (["--devices", "0"], ["'0'", "positive number"]),
+        (["--devices", "-2"], ["'-2'", "positive number"]),
+        (["--devices", "two"], ["'two'", "'0,1'"]),
+        (["--devices", "0,0"], ["'0,0'", "more than once"]),
+        (["--accelerator", "cpu", "--devices", "0,1"], ["--devices='0,1'", "--accelerator=cpu", "number of processes"]),
+        (["--accelerator", "cpu", "--devices", "-1"], ["--devices='-1'", "--accelerator=cpu"]),
+        (["--accelerator", "mps", "--devices", "2"], ["--devices='2'", "one MPS device"]),
+        (["--num-nodes", "0"], ["'0'", "integer >= 1"]),
+        (["--num-nodes", "2", "--node-rank", "2"], ["--node-rank=2", "0 .. 1"]),
+        (["--node-rank", "1"], ["--node-rank=1", "0 .. 0"]),
+        (["--main-port", "70000"], ["'70000'", "1..65535"]),
+        (["--unknown-flag"], ["unrecognized arguments: --unknown-flag"]),
+    ],
+)
+def test_bad_options_exit_2_naming_value_and_accepted(args: list[str], expected: list[str],
+                                                      capsys: pytest.CaptureFixture) -> None:
+    code, _, err = _main(["run", *args, str(RANKS_ENV)], capsys)
+    assert code == 2
+    for text in expected:
+        assert text in err, err
+
+
+@pytest.mark.timeout(10)
+def test_missing_or_absent_script_exits_2(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    code, _, err = _main(["run", "--devices", "2"], capsys)
+    assert code == 2 and "SCRIPT" in err
+    code, _, err = _main(["run", str(tmp_path / "nope.py")], capsys)
+    assert code == 2 and "nope.py" in err and "does not exist" in err
+
+
+@pytest.mark.timeout(30)
+def test_bad_option_from_the_command_line_exits_2() -> None:
+    """Through `python -m fabric`, as a user types it (the `fabric` script calls the same main())."""
+    result = run(fabric_run("--accelerator", "tpu", RANKS_ENV), timeout=25, check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: fabric run [options] SCRIPT [SCRIPT_ARGS ...]")
+    assert "--accelerator='tpu' is not known; accepted: auto, cpu, cuda, gpu, mps" in result.stderr
+
+
+# ---- what goes to Fabric and what goes to the script --------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_options_before_and_after_script_and_the_double_dash() -> None:
+    config = cli.parse_run_args(["--devices", "2", str(RANKS_ENV), "--lr", "0.1", "--num_nodes=3", "x",
+                                 "--help", "--", "--devices", "5"])
+    assert config.script == str(RANKS_ENV)
+    assert config.devices == "2" and config.num_nodes == 3
+    assert config.script_args == ["--lr", "0.1", "x", "--help", "--devices", "5"]
+    assert config.given == {"devices", "num_nodes"}
+    config = cli.parse_run_args(["--", str(RANKS_ENV), "-v"])
+    assert config.script == str(RANKS_ENV) and config.script_args == ["-v"] and config.given == set()
+
+
+@pytest.mark.timeout(10)
+def test_defaults_are_lightning_fabric_ones() -> None:
+    config = cli.parse_run_args([str(RANKS_ENV)])
+    assert (config.accelerator, config.strategy, config.devices, config.num_nodes, config.node_rank,
+            config.main_address, config.precision) == (None, None, "1", 1, 0, "127.0.0.1", None)
+    assert cli.DEFAULT_MAIN_PORT == 29400
+
+
+@pytest.mark.timeout(10)
+def test_processes_per_node_and_fabric_variables() -> None:
+    def config(*args: str) -> cli.RunConfig:
+        return cli.parse_run_args([*args, str(RANKS_ENV)])
+
+    assert cli.processes_per_node(config("--devices", "3")) == 3
+    assert cli.processes_per_node(config("--devices", "[0,1]")) == 2
+    assert cli.processes_per_node(config("--devices", "4", "--strategy", "dp")) == 1
+    assert cli.processes_per_node(config("--accelerator", "cpu", "--devices", "auto")) == 1
+    assert cli.processes_per_node(config("--devices", "1,")) == 1  # GPU index 1: one device, not zero
+    assert config("--devices", "[3]").devices == "3,"
+    # options not given are left to the script; the shape of a job the CLI starts is always passed on
+    assert cli.fabric_environment(config(), 1) == {}
+    assert cli.fabric_environment(config("--precision", "bf16", "--accelerator", "CPU"), 1) == {
+        "FABRIC_PRECISION": "bf16", "FABRIC_ACCELERATOR": "cpu"}
+    assert cli.fabric_environment(config("--devices", "2"), 2) == {"FABRIC_DEVICES": "2"}
+    assert cli.fabric_environment(config("--num-nodes", "2"), 1) == {"FABRIC_DEVICES": "1", "FABRIC_NUM_NODES": "2"}
+    env = cli.rank_environment(config("--num-nodes", "3", "--node-rank", "2", "--devices", "2"), 2, 1, 1234)
+    assert env["RANK"] == "5" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "6"
+    assert env["GROUP_RANK"] == env["NODE_RANK"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "1234"
+
+
+@pytest.mark.timeout(20)
+def test_static_choices_agree_with_the_registries() -> None:
+    from fabric.accelerators import ACCELERATOR_REGISTRY
+    from fabric.plugins.precision import PRECISION_ALIASES, PRECISION_VALUES
+    from fabric.strategies import STRATEGY_REGISTRY
+
+    assert set(cli.ACCELERATORS) == {"auto", "gpu", *ACCELERATOR_REGISTRY}
+    assert set(cli.PRECISIONS) == {*PRECISION_VALUES, *(str(a) for a in PRECISION_ALIASES)}
+    accepted = set(cli._strategies())
+    assert accepted | set(cli._NOT_FOR_CLI) == {"auto", *STRATEGY_REGISTRY}
+    assert "ddp" in accepted and not any("spawn" in name or "fork" in name for name in accepted)
+
+
+# ---- real launches -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(40)
+def test_one_process_becomes_the_script_with_options_in_fabric_variables(tmp_path: Path) -> None:
+    script = tmp_path / "show.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from fabric import Fabric\n"
+        "f = Fabric()\n"
+        "print(json.dumps({'pid': os.getpid(), 'argv': sys.argv[1:], 'rank': os.environ.get('RANK'),\n"
+        "  'precision': f.strategy.precision.precision, 'device': str(f.device), 'world': f.world_size,\n"
+        "  'fabric': {k: v for k, v in os.environ.items() if k.startswith('FABRIC_')}}))\n"
+        "sys.exit(3)\n"
+    )
+    proc = start(fabric_run("--accelerator", "cpu", "--precision", "bf16-mixed", script, "a", "--b", "c"))
+    out, err = proc.communicate(timeout=35)
+    assert proc.returncode == 3, err  # the script's exit status is the command's
+    shown = json.loads(out.strip().splitlines()[-1])
+    assert shown["pid"] == proc.pid  # no extra process in between
+    assert shown["argv"] == ["a", "--b", "c"]
+    assert shown["rank"] is None and shown["world"] == 1
+    assert shown["fabric"] == {"FABRIC_ACCELERATOR": "cpu", "FABRIC_PRECISION": "bf16-mixed"}
+    assert shown["precision"] == "bf16-mixed" and shown["device"] == "cpu"
+
+
+@pytest.mark.timeout(40)
+def test_two_processes_get_rank_variables(tmp_path: Path) -> None:
+    result = run(fabric_run("--devices", "2", RANKS_ENV, tmp_path, "--lr", "1"), timeout=35)
+    assert result.returncode == 0
+    ranks = read_ranks(tmp_path)
+    assert sorted(ranks) == [0, 1]
+    for rank, record in ranks.items():
+        env = record["env"]
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["NODE_RANK"], env["GROUP_RANK"]) == ("2", "2", "0", "0")
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == ranks[0]["env"]["MASTER_PORT"]
+        assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+        assert record["fabric"] == {"FABRIC_DEVICES": "2"}
+        assert record["argv"] == ["--lr", "1"]
+
+
+@pytest.mark.timeout(40)
+def test_a_failing_rank_ends_the_job_with_its_exit_status(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = run(fabric_run("--devices", "3", RANKS_ENV, tmp_path, "--exit-code-on-rank", "1", "5", "--sleep", "60"),
+                 timeout=35, check=False)
+    took = time.monotonic() - started
+    assert result.returncode == 5, result.stderr
+    assert "[fabric run] rank 1 (local rank 1" in result.stderr and "exited with status 5" in result.stderr
+    assert "stopping the other 2 rank(s)" in result.stderr
+    assert took < 30  # the sleeping ranks (60 s) were stopped
+    wait_dead([r["pid"] for r in read_ranks(tmp_path).values()], timeout=5)
+
+
+@pytest.mark.timeout(40)
+def test_waiting_for_a_slow_rank_costs_no_cpu(tmp_path: Path) -> None:
+    """Rank 1 ends at once, rank 0 after 5 s: `fabric run` must sleep meanwhile, not spin."""
+    proc = start(fabric_run("--devices", "2", RANKS_ENV, tmp_path, "--exit-code-on-rank", "1", "0", "--sleep", "5"))
+    _, status, usage = os.wait4(proc.pid, 0)  # resources of the CLI and the ranks it waited for
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    assert usage.ru_utime + usage.ru_stime < 3.5  # importing fabric is most of it; a busy wait adds ~5 s
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_cli_stops_every_rank(tmp_path: Path, signum: int) -> None:
+    proc = start(fabric_run("--devices", "2", RANKS_ENV, tmp_path, "--sleep", "60"))
+    try:
+        wait_for_files(tmp_path, "rank*.json", 2, timeout=30)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum
+    assert f"received {signal.Signals(signum).name}" in err
+    wait_dead([r["pid"] for r in read_ranks(tmp_path).values()], timeout=5)
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.skipif(not LINUX, reason="parent-death signals are a Linux feature")
+def test_ranks_die_when_the_cli_is_killed_outright(tmp_path: Path) -> None:
+    proc = start(fabric_run("--devices", "2", RANKS_ENV, tmp_path, "--sleep", "60"))
+    try:
+        wait_for_files(tmp_path, "rank*.json", 2, timeout=30)
+        proc.kill()  # SIGKILL: no chance to clean up
+        proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    wait_dead([r["pid"] for r in read_ranks(tmp_path).values()], timeout=5)
