@@ -13,7 +13,7 @@ log = logging.getLogger("fabric")
 
 def _rank_from_environment() -> int:
     # the launchers and external launchers (torchrun, SLURM, MPI, LSF) put the global rank here
-    for name in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for name in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"):
         value = os.environ.get(name)
         if value is not None and value.isdigit():
             return int(value)
