@@ -46,12 +46,15 @@ class FabricModule(Module):
         return self._original_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the hot path: ``self._forward_module`` would go through two ``__getattr__`` frames
+        forward_module = self._modules["_forward_module"]
         if self._fast_forward:
-            return self._forward_module(*args, **kwargs)
+            return forward_module(*args, **kwargs)
         precision = self._precision
-        args, kwargs = precision.convert_input((args, kwargs))
+        if args or kwargs:
+            args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
-            output = self._forward_module(*args, **kwargs)
+            output = forward_module(*args, **kwargs)
         return precision.convert_output(output)
 
     def __getattr__(self, name: str) -> Any:
@@ -67,8 +70,11 @@ class FabricModule(Module):
         # after set-up, the user's attributes belong on their module, not on the wrapper
         if not self.__dict__.get("_initialized") or name in _OWN_ATTRIBUTES:
             super().__setattr__(name, value)
-        else:
-            setattr(self._original_module, name, value)
+            return
+        setattr(self._original_module, name, value)
+        if name in self.__dict__:
+            # nn.Module state the wrapper keeps for itself too (``training``, set by train()/eval())
+            super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         return f"FabricModule({self._original_module!r})"
@@ -102,8 +108,8 @@ def _report_without_prefix(module: FabricModule, incompatible_keys: Any) -> None
 class FabricOptimizer:
     """Mixed in front of the user's optimizer class; ``step`` goes through the strategy.
 
-    The wrapper shares the optimizer's parameter groups and state (same objects), so both views stay
-    in sync; ``load_state_dict`` goes to the original optimizer and refreshes the wrapper.
+    The wrapper reads the optimizer's parameter groups and state through to the optimizer (and shares
+    its other attributes), so both views stay in sync, also after the optimizer's ``load_state_dict``.
     """
 
     _optimizer: Optimizer
@@ -123,9 +129,28 @@ class FabricOptimizer:
     def optimizer(self) -> Optimizer:
         return self._optimizer
 
+    # Read through to the optimizer: its ``load_state_dict`` replaces these objects, and a copy taken at
+    # set-up would then silently detach (an LR scheduler on the wrapper would change a stale ``lr``).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, param_groups: list[dict[str, Any]]) -> None:
+        self._optimizer.param_groups = param_groups
+
+    @property
+    def state(self) -> Any:
+        return self._optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self._optimizer.state = state
+
     def step(self, closure: Any = None) -> Any:
-        kwargs = {} if closure is None else {"closure": closure}
-        return self._strategy.optimizer_step(self._optimizer, **kwargs)
+        if closure is None:
+            return self._strategy.optimizer_step(self._optimizer)
+        return self._strategy.optimizer_step(self._optimizer, closure=closure)
 
     def state_dict(self) -> dict[str, Any]:
         return self._strategy.get_optimizer_state(self._optimizer)
@@ -150,8 +175,12 @@ def _optimizer_class(optimizer_class: type) -> type:
 
 
 def _shared_attributes(optimizer: Optimizer) -> dict[str, Any]:
-    # "step" may be an instance attribute patched in by an LR scheduler; it must stay the optimizer's own
-    return {key: value for key, value in optimizer.__dict__.items() if key != "step"}
+    # "step" may be an instance attribute patched in by an LR scheduler; it must stay the optimizer's own.
+    # "state" and "param_groups" are read through properties, never copied.
+    return {key: value for key, value in optimizer.__dict__.items() if key not in _NOT_SHARED}
+
+
+_NOT_SHARED = frozenset({"step", "state", "param_groups"})
 
 
 class FabricDataLoader:
@@ -193,7 +222,10 @@ class FabricDataLoader:
 
 def _set_sampler_epoch(dataloader: Any, epoch: int) -> None:
     """Reshuffle distributed shards every epoch without the user calling ``set_epoch``."""
-    for sampler in (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None)):
+    samplers = (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None))
+    for index, sampler in enumerate(samplers):
+        if index == 1 and sampler is samplers[0]:
+            break  # a DataLoader's batch sampler usually wraps its sampler: set the epoch once
         if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
 

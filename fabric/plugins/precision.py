@@ -50,13 +50,14 @@ def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
         torch.set_default_dtype(previous)
 
 
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    def cast(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(dtype) if torch.is_floating_point(tensor) and tensor.dtype != dtype else tensor
+def _cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.dtype != dtype and tensor.is_floating_point() else tensor
 
-    if isinstance(data, torch.Tensor):
-        return cast(data)
-    return apply_to_collection(data, torch.Tensor, cast)
+
+def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    if isinstance(data, torch.Tensor):  # the common case, without the collection walk
+        return _cast_tensor(data, dtype)
+    return apply_to_collection(data, torch.Tensor, _cast_tensor, dtype)
 
 
 class Precision:

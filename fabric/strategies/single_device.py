@@ -24,6 +24,10 @@ class SingleDeviceStrategy(Strategy):
         return self._root_device
 
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        # checked here too, so a bad reduce_op fails in a one-process test run, not first on the cluster
+        from fabric.strategies.parallel import check_reduce_op
+
+        check_reduce_op(reduce_op)
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -7,8 +7,8 @@ precision hooks, checkpoint conversion and validation); subclasses add the paral
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -149,17 +149,13 @@ class Strategy(ABC):
 
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """Create parameters directly on the device, in the precision's dtype, optionally uninitialized."""
-        stack = ExitStack()
-        stack.enter_context(self.root_device)
-        stack.enter_context(self.precision.module_init_context())
-        stack.enter_context(EmptyInit(enabled=bool(empty_init)))
-        return stack
+        contexts = [self.root_device, self.precision.module_init_context()]
+        if empty_init:
+            contexts.append(EmptyInit())
+        return _entered_together(contexts)
 
     def tensor_init_context(self) -> AbstractContextManager:
-        stack = ExitStack()
-        stack.enter_context(self.root_device)
-        stack.enter_context(self.precision.tensor_init_context())
-        return stack
+        return _entered_together([self.root_device, self.precision.tensor_init_context()])
 
     def process_dataloader(self, dataloader: Any) -> Any:
         return dataloader
@@ -321,6 +317,19 @@ class BackwardSyncControl(ABC):
     @abstractmethod
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         ...
+
+
+@contextmanager
+def _entered_together(contexts: list[AbstractContextManager]) -> Generator[None, None, None]:
+    """Enter ``contexts`` when the ``with`` block starts, not when they are created.
+
+    (An ExitStack filled in advance would change the default dtype/device as soon as e.g.
+    ``fabric.init_module()`` is called, even if it is never used in a ``with``.)
+    """
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _is_stateful(obj: Any) -> bool:

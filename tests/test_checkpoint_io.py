@@ -1,0 +1,455 @@
+"""Checkpoints: what the file holds, loading in place, refusing unsafe or broken files, atomic writes."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fabric import Fabric
+from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load
+
+pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+
+
+def _load_helper(name: str):
+    spec = importlib.util.spec_from_file_location(f"_fabric_test_{name}", HELPERS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cpu_fabric() -> Fabric:
+    return Fabric(accelerator="cpu", devices=1)
+
+
+def make_model(seed: int = 0, hidden: int = 8) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+
+
+def snapshot(module: nn.Module) -> dict:
+    return {key: value.clone() for key, value in module.state_dict().items()}
+
+
+def assert_same_state(module: nn.Module, expected: dict) -> None:
+    state = module.state_dict()
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def temp_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob(".fabric-tmp-*"))
+
+
+# ---- what a saved file holds --------------------------------------------------------------------------
+
+
+def test_save_writes_one_plain_dict_of_state_dicts(tmp_path):
+    fabric = cpu_fabric()
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    fmodel, foptimizer = fabric.setup(model, optimizer)
+    fabric.backward(fmodel(torch.randn(3, 4)).sum())
+    foptimizer.step()
+    path = tmp_path / "a" / "b" / "c" / "ckpt.pt"
+    fabric.save(path, {"model": fmodel, "optimizer": foptimizer, "step": 7, "extra": [1, "x", None]})
+    assert path.is_file()
+    raw = torch.load(path, weights_only=True)
+    assert type(raw) is dict
+    assert set(raw) == {"model", "optimizer", "step", "extra"}
+    assert set(raw["model"]) == set(model.state_dict())
+    assert all(torch.equal(raw["model"][k], v) for k, v in model.state_dict().items())
+    assert set(raw["optimizer"]) == {"state", "param_groups"}
+    assert raw["step"] == 7 and raw["extra"] == [1, "x", None]
+    assert temp_files(path.parent) == []
+
+
+def test_save_of_stateful_objects_and_their_restore(tmp_path):
+    class Counter:
+        def __init__(self, count=0):
+            self.count = count
+
+        def state_dict(self):
+            return {"count": self.count}
+
+        def load_state_dict(self, state):
+            self.count = state["count"]
+
+    fabric = cpu_fabric()
+    fabric.save(tmp_path / "c.pt", {"counter": Counter(5)})
+    assert torch.load(tmp_path / "c.pt", weights_only=True) == {"counter": {"count": 5}}
+    counter = Counter()
+    state = {"counter": counter}
+    assert fabric.load(tmp_path / "c.pt", state) == {}
+    assert counter.count == 5 and state["counter"] is counter
+
+
+def test_filter(tmp_path):
+    fabric = cpu_fabric()
+    model = make_model()
+    fabric.save(
+        tmp_path / "f.pt",
+        {"model": model, "config": {"a": 1, "b": 2}},
+        filter={"model": lambda name, value: name.endswith("weight"), "config": lambda name, value: name == "a"},
+    )
+    raw = torch.load(tmp_path / "f.pt", weights_only=True)
+    assert sorted(raw["model"]) == ["0.weight", "2.weight"]
+    assert raw["config"] == {"a": 1}
+
+
+# ---- loading in place -----------------------------------------------------------------------------
+
+
+def test_load_restores_in_place_and_returns_leftovers(tmp_path):
+    fabric = cpu_fabric()
+    model = make_model(seed=1)
+    saved = snapshot(model)
+    fabric.save(tmp_path / "s.pt", {"model": model, "epoch": 3, "history": [0.5, 0.25], "note": "hi"})
+    target = fabric.setup(make_model(seed=2))
+    state = {"model": target, "epoch": 0, "history": []}
+    left = fabric.load(tmp_path / "s.pt", state)
+    assert left == {"note": "hi"}
+    assert state["model"] is target and state["epoch"] == 3 and state["history"] == [0.5, 0.25]
+    assert_same_state(target, saved)
+    everything = fabric.load(tmp_path / "s.pt")
+    assert set(everything) == {"model", "epoch", "history", "note"}
+
+
+def test_strict_load_names_the_missing_keys(tmp_path):
+    fabric = cpu_fabric()
+    fabric.save(tmp_path / "s.pt", {"model": make_model()})
+    target = make_model(seed=3)
+    before = snapshot(target)
+    with pytest.raises(KeyError) as info:
+        fabric.load(tmp_path / "s.pt", {"model": target, "optimizer": torch.optim.SGD(target.parameters(), lr=1), "epoch": 0})
+    message = str(info.value)
+    assert "['optimizer', 'epoch']" in message and "strict=False" in message and "s.pt" in message
+    assert_same_state(target, before)
+
+
+def test_non_strict_load_loads_what_is_there(tmp_path):
+    fabric = cpu_fabric()
+    source = make_model(seed=1)
+    fabric.save(tmp_path / "s.pt", {"model": source})
+    target = make_model(seed=2)
+    optimizer = torch.optim.SGD(target.parameters(), lr=0.5)
+    state = {"model": target, "optimizer": optimizer, "epoch": 9}
+    assert fabric.load(tmp_path / "s.pt", state, strict=False) == {}
+    assert_same_state(target, snapshot(source))
+    assert state["epoch"] == 9 and optimizer.param_groups[0]["lr"] == 0.5
+
+
+def test_non_strict_load_of_a_partial_module_state(tmp_path):
+    fabric = cpu_fabric()
+    source = make_model(seed=1)
+    fabric.save(tmp_path / "s.pt", {"model": source}, filter={"model": lambda name, value: name.startswith("0.")})
+    target = make_model(seed=2)
+    before = snapshot(target)
+    with pytest.raises(KeyError, match=r"missing keys \['2.weight', '2.bias'\]"):
+        fabric.load(tmp_path / "s.pt", {"model": target})
+    assert_same_state(target, before)
+    fabric.load(tmp_path / "s.pt", {"model": target}, strict=False)
+    assert torch.equal(target[0].weight, source[0].weight)
+    assert torch.equal(target[2].weight, before["2.weight"])
+
+
+def test_shape_mismatch_names_the_key_and_changes_nothing(tmp_path):
+    fabric = cpu_fabric()
+    fabric.save(tmp_path / "s.pt", {"first": make_model(seed=1), "second": make_model(seed=1, hidden=8)})
+    first, second = make_model(seed=2), make_model(seed=2, hidden=16)
+    before_first, before_second = snapshot(first), snapshot(second)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError) as info:
+            fabric.load(tmp_path / "s.pt", {"first": first, "second": second}, strict=strict)
+        message = str(info.value)
+        assert "state['second']" in message and "'0.weight'" in message
+        assert "(8, 4)" in message and "(16, 4)" in message
+        # checked before anything was loaded: not even the module that fits was touched
+        assert_same_state(first, before_first)
+        assert_same_state(second, before_second)
+
+
+def test_optimizer_mismatch_changes_nothing(tmp_path):
+    fabric = cpu_fabric()
+    model = make_model()
+    fabric.save(tmp_path / "o.pt", {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
+    target = make_model(seed=5)
+    before = snapshot(target)
+    optimizer = torch.optim.SGD(list(target.parameters())[:2], lr=0.7)
+    with pytest.raises(ValueError, match=r"state\['optimizer'\].*parameter group sizes \[4\].*\[2\]"):
+        fabric.load(tmp_path / "o.pt", {"model": target, "optimizer": optimizer})
+    assert_same_state(target, before)
+    assert optimizer.param_groups[0]["lr"] == 0.7
+
+
+def test_load_raw_of_a_full_checkpoint_names_the_keys(tmp_path):
+    fabric = cpu_fabric()
+    fabric.save(tmp_path / "full.pt", {"model": make_model()})
+    with pytest.raises(KeyError, match=r"unexpected keys \['model'\]"):
+        fabric.load_raw(tmp_path / "full.pt", make_model())
+
+
+# ---- unsafe and broken files ------------------------------------------------------------------------
+
+
+class CreatesMarker:
+    """Unpickling this runs ``os.mkdir(marker)``: a stand-in for any code a malicious file could run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_a_pickle_payload_is_refused_by_default(tmp_path):
+    marker = tmp_path / "marker"
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": CreatesMarker(str(marker))}, path)
+    fabric = cpu_fabric()
+    for call in (lambda: fabric.load(path), lambda: fabric.load(path, {"model": {}}), lambda: safe_load(path)):
+        with pytest.raises(CheckpointLoadError) as info:
+            call()
+        assert not marker.exists(), "the payload ran"
+        message = str(info.value)
+        assert str(path) in message and "weights_only=False" in message and "posix.mkdir" in message
+    # the opt-in really loads it (and so really runs it): the refusal above was not an accident
+    fabric.load(path, weights_only=False)
+    assert marker.is_dir()
+
+
+def test_an_empty_file(tmp_path):
+    path = tmp_path / "empty.pt"
+    path.touch()
+    with pytest.raises(CheckpointLoadError, match=f"{path}.*empty"):
+        cpu_fabric().load(path)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.3, 0.6, 0.99])
+def test_a_truncated_file(tmp_path, fraction):
+    path = tmp_path / "whole.pt"
+    cpu_fabric().save(path, {"model": make_model(hidden=64), "step": 1})
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(CheckpointLoadError) as info:
+        cpu_fabric().load(truncated)
+    assert str(truncated) in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint at all" * 50, bytes(range(256)) * 8, b"PK\x03\x04" + b"\0" * 200])
+def test_a_corrupt_file(tmp_path, content):
+    path = tmp_path / "corrupt.pt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointLoadError) as info:
+        cpu_fabric().load(path)
+    message = str(info.value)
+    assert str(path) in message
+    assert "corrupt" in message
+    assert "pickled code" not in message  # garbage is not reported as an unsafe payload
+
+
+def test_paths_that_are_folders(tmp_path):
+    io = TorchCheckpointIO()
+    with pytest.raises(IsADirectoryError, match=str(tmp_path)):
+        io.save_checkpoint({"a": 1}, tmp_path)
+    with pytest.raises(IsADirectoryError, match=str(tmp_path)):
+        io.load_checkpoint(tmp_path)
+
+
+def test_storage_options_are_refused(tmp_path):
+    with pytest.raises(TypeError, match="storage_options"):
+        TorchCheckpointIO().save_checkpoint({"a": 1}, tmp_path / "x.pt", storage_options={"compress": True})
+
+
+def test_remove_checkpoint(tmp_path):
+    io = TorchCheckpointIO()
+    io.save_checkpoint({"a": 1}, tmp_path / "x.pt")
+    io.remove_checkpoint(tmp_path / "x.pt")
+    assert not (tmp_path / "x.pt").exists()
+    io.save_checkpoint({"a": 1}, tmp_path / "folder" / "x.pt")
+    io.remove_checkpoint(tmp_path / "folder")
+    assert not (tmp_path / "folder").exists()
+    io.remove_checkpoint(tmp_path / "never-existed.pt")
+
+
+# ---- round trips of plain objects ----------------------------------------------------------------------
+
+_float_tensors = st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), max_size=6).map(
+    lambda values: torch.tensor(values, dtype=torch.float32)
+)
+_int_tensors = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=6).map(lambda v: torch.tensor(v, dtype=torch.int64))
+_bool_tensors = st.lists(st.booleans(), max_size=6).map(lambda v: torch.tensor(v, dtype=torch.bool))
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=10),
+    _float_tensors,
+    _int_tensors,
+    _bool_tensors,
+)
+_values = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-5, 5)), children, max_size=4),
+    ),
+    max_leaves=12,
+)
+
+
+def assert_identical(a, b) -> None:
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    elif isinstance(a, float):
+        assert (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            assert_identical(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_identical(x, y)
+    else:
+        assert a == b
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=st.dictionaries(st.text(min_size=1, max_size=8), _values, max_size=5))
+def test_round_trip_of_plain_objects(tmp_path, state):
+    fabric = cpu_fabric()
+    path = tmp_path / "round" / "trip.pt"
+    fabric.save(path, state)
+    assert_identical(fabric.load(path), state)
+    assert_identical(torch.load(path, weights_only=True), state)
+    assert temp_files(path.parent) == []
+
+
+# ---- atomic writes ----------------------------------------------------------------------------------
+
+
+def test_no_temp_files_after_successful_saves(tmp_path):
+    for index in range(3):
+        atomic_save({"i": index}, tmp_path / "x.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pt"]
+
+
+def test_a_failing_save_keeps_the_old_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "x.pt"
+    atomic_save({"version": 1}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("cannot pickle this")
+
+    with pytest.raises(RuntimeError, match="cannot pickle this"):
+        atomic_save({"version": 2, "bad": Unpicklable()}, path)
+    assert safe_load(path) == {"version": 1}
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_stale_temp_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=50
+    )
+    dead_pid = int(dead.stdout)
+    stale = tmp_path / f".fabric-tmp-x.pt.{dead_pid}.abc"
+    stale.write_bytes(b"half a checkpoint")
+    live = tmp_path / f".fabric-tmp-x.pt.{os.getpid()}.def"  # a save in progress in a live process
+    live.write_bytes(b"being written")
+    other = tmp_path / f".fabric-tmp-y.pt.{dead_pid}.ghi"  # another file's temp: not ours to remove
+    other.write_bytes(b"")
+    atomic_save({"a": 1}, tmp_path / "x.pt")
+    assert not stale.exists()
+    assert live.exists() and other.exists()
+    assert safe_load(tmp_path / "x.pt") == {"a": 1}
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_in_the_middle_of_saves_never_tears_the_checkpoint(tmp_path, subprocess_env):
+    """Writers are killed with SIGKILL at random moments while saving; the file stays whole every time."""
+    helper = _load_helper("save_forker")
+    numel = 2_000_000  # 8 MB of data: a save takes long enough to be hit mid-write
+    path = tmp_path / "ckpt.pt"
+    atomic_save(helper.payload(0, numel), path)
+    last_version = helper.check_payload(safe_load(path), numel)
+    rng = random.Random(os.getpid())
+    forker = subprocess.Popen(
+        [sys.executable, str(HELPERS / "save_forker.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env,
+    )
+    killed_mid_write = 0
+    stale: list[Path] = []
+    try:
+        assert forker.stdout.readline().strip() == "ready"
+        for kill in range(8):
+            first_version = (kill + 1) * 100_000
+            forker.stdin.write(f"fork {path} {first_version} {numel}\n")
+            forker.stdin.flush()
+            pid = int(forker.stdout.readline())
+            deadline = time.monotonic() + 30
+            while not list(tmp_path.glob(f".fabric-tmp-ckpt.pt.{pid}.*")):
+                assert time.monotonic() < deadline, "the writer never started a save"
+                time.sleep(0.001)
+            # the writer's first save removed what the previously killed writer left behind
+            assert not any(old.exists() for old in stale), stale
+            time.sleep(rng.uniform(0.0, 0.25))
+            # a random moment, moved on to the next instant a save is in progress (not between two saves)
+            while not list(tmp_path.glob(f".fabric-tmp-ckpt.pt.{pid}.*")):
+                assert time.monotonic() < deadline, "the writer stopped saving"
+                time.sleep(0.0005)
+            os.kill(pid, signal.SIGKILL)
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                assert time.monotonic() < deadline, "the killed writer did not go away"
+                time.sleep(0.001)
+
+            version = helper.check_payload(safe_load(path), numel)
+            assert version == last_version or first_version <= version < first_version + 100_000, version
+            last_version = version
+            stale = temp_files(tmp_path)
+            killed_mid_write += bool(stale)
+        forker.stdin.write("quit\n")
+        forker.stdin.flush()
+        assert forker.wait(timeout=30) == 0
+    finally:
+        if forker.poll() is None:
+            forker.kill()
+            forker.wait()
+    assert killed_mid_write >= 4, f"only {killed_mid_write} of 8 kills landed in the middle of a write"
+
+    # the next ordinary save works, and cleans up after the killed writer
+    atomic_save(helper.payload(1, numel), path)
+    assert helper.check_payload(safe_load(path), numel) == 1
+    assert temp_files(tmp_path) == []

@@ -1,0 +1,134 @@
+"""Seeding: the same seed gives the same numbers from random, NumPy and torch; the seed reaches children."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fabric import Fabric, seed_everything
+from fabric.utilities.seed import reset_seed, worker_init_function
+
+pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+
+
+def draw() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(2).tolist(), torch.randint(0, 10**6, (1,)).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 42, 2**32 - 1])
+def test_same_seed_same_numbers(seed):
+    assert seed_everything(seed) == seed
+    first = draw()
+    random.random(), np.random.rand(), torch.rand(1)  # move every generator on
+    assert seed_everything(seed) == seed
+    assert draw() == first
+
+
+def test_different_seeds_different_numbers():
+    seed_everything(1)
+    one = draw()
+    seed_everything(2)
+    two = draw()
+    assert all(a != b for a, b in zip(one, two))
+
+
+def test_seed_is_exported_for_child_processes():
+    seed_everything(123)
+    assert os.environ["FABRIC_GLOBAL_SEED"] == "123"
+    assert os.environ["FABRIC_SEED_WORKERS"] == "0"
+    seed_everything(124, workers=True)
+    assert os.environ["FABRIC_SEED_WORKERS"] == "1"
+
+
+def test_without_a_seed_the_environment_decides(monkeypatch):
+    monkeypatch.setenv("FABRIC_GLOBAL_SEED", "77")
+    assert seed_everything() == 77
+    from_env = draw()
+    seed_everything(77)
+    assert draw() == from_env
+
+
+def test_without_any_seed_zero_is_used_with_a_warning():
+    with pytest.warns(UserWarning, match="No seed given; seeding with 0"):
+        assert seed_everything() == 0
+    assert os.environ["FABRIC_GLOBAL_SEED"] == "0"
+
+
+def test_invalid_seed_from_the_environment(monkeypatch):
+    monkeypatch.setenv("FABRIC_GLOBAL_SEED", "abc")
+    with pytest.raises(ValueError, match="FABRIC_GLOBAL_SEED='abc' is not an integer seed"):
+        seed_everything()
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_seed_out_of_range(seed):
+    with pytest.raises(ValueError, match=f"seed={seed} is out of range; accepted: 0 to 4294967295"):
+        seed_everything(seed)
+
+
+@pytest.mark.parametrize("seed", ["1", 1.5, True, [1]])
+def test_seed_of_a_wrong_type(seed):
+    with pytest.raises(TypeError, match="takes an int"):
+        seed_everything(seed)
+
+
+def test_verbose_logs_the_seed(caplog):
+    with caplog.at_level(logging.INFO, logger="fabric"):
+        seed_everything(5)
+        seed_everything(6, verbose=False)
+    messages = [record.getMessage() for record in caplog.records]
+    assert "Seed set to 5" in messages and "Seed set to 6" not in messages
+
+
+def test_fabric_method_is_the_same_seeding():
+    Fabric.seed_everything(9)
+    first = draw()
+    Fabric(accelerator="cpu").seed_everything(9)
+    assert draw() == first
+    assert os.environ["FABRIC_SEED_WORKERS"] == "1"
+
+
+def test_reset_seed_seeds_again_from_the_environment():
+    seed_everything(31, workers=True)
+    first = draw()
+    reset_seed()
+    assert draw() == first
+    assert os.environ["FABRIC_SEED_WORKERS"] == "1"
+    del os.environ["FABRIC_GLOBAL_SEED"]
+    reset_seed()  # nothing to do
+
+
+def _worker_draw(base_seed: int, worker_id: int, rank: int) -> tuple:
+    torch.manual_seed(base_seed + worker_id)  # what a DataLoader gives each worker
+    worker_init_function(worker_id, rank=rank)
+    return draw()
+
+
+def test_worker_init_function_gives_distinct_reproducible_streams():
+    streams = {(w, r): _worker_draw(1000, w, r) for w in range(3) for r in range(2)}
+    assert len({s[0] for s in streams.values()}) == 6  # python random differs for every worker of every rank
+    assert len({s[1] for s in streams.values()}) == 6  # so does NumPy (identical in forked workers otherwise)
+    assert _worker_draw(1000, 2, 1) == streams[(2, 1)]
+    assert _worker_draw(2000, 2, 1) != streams[(2, 1)]
+
+
+@pytest.mark.timeout(60)
+def test_worker_init_function_in_real_workers():
+    seed_everything(3)
+    dataset = torch.utils.data.TensorDataset(torch.arange(4))
+
+    def collate(batch):
+        return float(np.random.rand())
+
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=1, num_workers=2, worker_init_fn=worker_init_function, collate_fn=collate
+    )
+    values = list(loader)
+    assert len(set(values)) == 4  # without it, both forked workers would draw the same NumPy numbers
+    seed_everything(3)
+    assert list(loader) == values
