@@ -76,11 +76,9 @@ class ParallelStrategy(Strategy, ABC):
         if not (dist.is_available() and dist.is_initialized()):
             return tensor
         group = group if group is not None else dist.group.WORLD
-        if sync_grads:
-            from torch.distributed.nn.functional import all_gather as differentiable_all_gather
-
-            return torch.stack(differentiable_all_gather(tensor.contiguous(), group=group))
         tensor = tensor.contiguous()
+        if sync_grads:
+            return _AllGatherWithGrad.apply(tensor, group)
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
@@ -100,9 +98,19 @@ class ParallelStrategy(Strategy, ABC):
             yield
 
     def reconciliate_processes(self, trace: str) -> None:
-        """Bring the other ranks down after this one failed with ``trace`` (launchers do the work)."""
+        """Hand this rank's failure (``trace``) to the launcher, which diagnoses it and stops the job.
+
+        The supervising process (rank 0 under "popen") asks the other ranks where they are (so a
+        collective timeout names the ranks that never arrived) and stops them; a supervised rank
+        records the traceback for its supervisor. Without a launcher (torchrun, SLURM) nothing is done.
+        """
         launcher = self.launcher
-        if launcher is not None and hasattr(launcher, "kill"):
+        if launcher is None:
+            return
+        on_failure = getattr(launcher, "on_rank_failure", None)
+        if callable(on_failure):
+            on_failure(trace)
+        elif callable(getattr(launcher, "kill", None)):
             launcher.kill()
 
     def on_exception(self, exception: BaseException) -> None:
@@ -114,6 +122,31 @@ class ParallelStrategy(Strategy, ABC):
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         super().teardown()
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward hands each rank the sum of the gradients every rank computed for its slice.
+
+    (torch.distributed.nn.functional.all_gather does the same but is deprecated and warns on every job.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.group = group
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
+        return torch.stack(gathered)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        import torch.distributed as dist
+
+        # an all-reduce rather than a reduce-scatter: gloo has no reduce-scatter
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
 
 
 def check_reduce_op(reduce_op: Any) -> None:
