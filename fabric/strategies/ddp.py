@@ -119,8 +119,10 @@ class DDPStrategy(ParallelStrategy):
         """"popen" re-runs the script for the other local ranks; the others start worker processes."""
         from fabric.strategies.launchers import MultiprocessingLauncher, SubprocessScriptLauncher
 
-        if self._start_method == "popen":
-            # also under torchrun/SLURM: the launcher then starts nothing and only runs the function
+        external = self.cluster_environment is not None and self.cluster_environment.creates_processes_externally
+        if self._start_method == "popen" or external:
+            # also under torchrun/SLURM/`fabric run`: the launcher then starts nothing and only runs the
+            # function here, so a script written for "ddp_spawn" does not start a second set of ranks
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             # its workers run only the function given to Fabric.launch() (launcher.requires_function)
