@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn import DataParallel, Module
 
 from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
+from fabric.strategies.strategy import Strategy
 
 
 class DataParallelStrategy(ParallelStrategy):
@@ -42,22 +43,11 @@ class DataParallelStrategy(ParallelStrategy):
             raise RuntimeError("DataParallelStrategy has no parallel_devices yet; the connector sets them")
         return self.parallel_devices[0]
 
-    # one process: the ranks of the base class would come from a cluster environment, which DP has none of
-    @property
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    def node_rank(self) -> int:
-        return 0
-
-    @property
-    def world_size(self) -> int:
-        return 1
+    # one process: the single-process ranks of Strategy, not ParallelStrategy's cluster-environment ranks
+    global_rank = Strategy.global_rank
+    local_rank = Strategy.local_rank
+    node_rank = Strategy.node_rank
+    world_size = Strategy.world_size
 
     @property
     def distributed_sampler_kwargs(self) -> None:
