@@ -25,6 +25,7 @@ from fabric.plugins.precision import Precision
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
 from fabric.utilities.rank_zero import rank_zero_only
+from fabric.utilities.resume import gather_per_rank_states
 from fabric.utilities.seed import seed_everything as _seed_everything
 from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, is_wrapped, unwrap
 
@@ -222,7 +223,7 @@ class Fabric:
             dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
         dataloader = self._strategy.process_dataloader(dataloader)
         device = self.device if move_to_device and getattr(self._strategy, "moves_batches", True) else None
-        return FabricDataLoader(dataloader, device=device)
+        return FabricDataLoader(dataloader, device=device, rank=self.global_rank, world_size=self.world_size)
 
     def _check_module(self, module: Any) -> None:
         if isinstance(module, FabricModule):
@@ -407,12 +408,17 @@ class Fabric:
 
         Modules and optimizers in ``state`` become their state dicts; ``filter`` maps a state key to a
         ``(name, value) -> bool`` predicate choosing which entries of that object's state dict to keep.
+        A dataloader from ``setup_dataloaders`` is saved with every rank's position and random states,
+        for an exact resume (``docs/resume.md``); call ``save`` on every rank.
         """
+        self._check_launched("save")  # before writing anything: the barrier at the end would fail late
         if not isinstance(state, dict):
             raise TypeError(f"save(state=...) takes a dict, got {type(state).__name__}")
         if filter is not None:
             _check_filter(filter, state)
-        self._strategy.save_checkpoint(path, _unwrap_all(state), filter=filter)
+        # per-rank states (a loader's random states) are gathered here: only rank 0 writes the file
+        unwrapped = gather_per_rank_states(_unwrap_all(state), self.all_gather, self.world_size)
+        self._strategy.save_checkpoint(path, unwrapped, filter=filter)
         self.barrier()
 
     def load(
@@ -427,6 +433,7 @@ class Fabric:
 
         Without ``state``, return the whole file. Loading refuses pickled code unless ``weights_only=False``.
         """
+        self._check_launched("load")  # before changing anything: the barrier at the end would fail late
         unwrapped = _unwrap_all(state) if state is not None else None
         remainder = self._strategy.load_checkpoint(path, state=unwrapped, strict=strict, weights_only=weights_only)
         self.barrier()
@@ -462,7 +469,8 @@ def _as_list(value: Any, name: str) -> list[Any]:
 
 
 def _unwrap_all(state: dict[str, Any]) -> dict[str, Any]:
-    return {key: unwrap(value) for key, value in state.items()}
+    # a FabricDataLoader stays: its state (position, random states) is its own, not the loader's
+    return {key: value if isinstance(value, FabricDataLoader) else unwrap(value) for key, value in state.items()}
 
 
 def _check_filter(filter: Any, state: dict[str, Any]) -> None:

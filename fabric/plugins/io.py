@@ -209,8 +209,8 @@ def _remove_stale_temp_files(folder: Path, name: str) -> None:
     """Delete temp files a crashed save of ``name`` left behind; a live process's file is left alone."""
     for stale in folder.glob(f"{_TEMP_PREFIX}{name}.*"):
         writer = stale.name[len(_TEMP_PREFIX) + len(name) + 1 :].split(".", 1)[0]
-        if writer.isdigit() and _process_alive(int(writer)):
-            continue
+        if not writer.isdigit() or _process_alive(int(writer)):
+            continue  # another file's temp (e.g. of "name.bak"), or a save still in progress
         try:
             stale.unlink()
         except OSError:
@@ -263,6 +263,12 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
         raise CheckpointLoadError(
             f"Checkpoint {str(path)!r} could not be read (truncated or corrupt?): {_first_line(err)}"
+        ) from None
+    except Exception as err:
+        # damaged bytes can derail the unpickler anywhere (IndexError, KeyError, TypeError, ...):
+        # still the file's fault, reported as such rather than as a trace from inside torch
+        raise CheckpointLoadError(
+            f"Checkpoint {str(path)!r} is corrupt: {type(err).__name__}: {_first_line(err)}"
         ) from None
 
 

@@ -277,6 +277,12 @@ class Strategy(ABC):
                     check_optimizer_state_fits(obj, checkpoint[key])
                 except ValueError as err:
                     raise ValueError(f"state[{key!r}]: {err}") from None
+            elif _is_stateful(obj) and callable(getattr(obj, "check_state_dict", None)):
+                # stateful objects that can tell in advance (a FabricDataLoader) are checked here too
+                try:
+                    obj.check_state_dict(checkpoint[key])
+                except ValueError as err:
+                    raise ValueError(f"state[{key!r}]: {err}") from None
         for key, obj in present.items():
             value = checkpoint.pop(key)
             if isinstance(obj, Module):

@@ -5,7 +5,9 @@
 * :class:`MultiprocessingLauncher` ("spawn", "fork", "forkserver") starts workers
   from the current process and returns the result of process 0.
 
-Both stop the whole job quickly when any rank fails (see ``supervision``).
+Both stop the whole job quickly when any rank fails (see ``supervision``); when a
+collective times out, they first name the ranks that never arrived and where each
+one was (see ``diagnosis``).
 """
 
 from fabric.strategies.launchers.launcher import Launcher

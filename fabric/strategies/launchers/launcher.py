@@ -51,3 +51,12 @@ class Launcher(ABC):
         not keep waiting in a collective for a rank that is gone. The default does
         nothing: some launchers start no processes of their own.
         """
+
+    def on_rank_failure(self, trace: str) -> None:
+        """The user's code raised in this process with ``trace``; the strategy reports it here.
+
+        A launcher that supervises the job diagnoses the failure (for a collective timeout: which
+        ranks never arrived, and where they were) and stops the other ranks; in a supervised rank it
+        leaves the traceback where the supervisor finds it. The default stops the processes.
+        """
+        self.kill()

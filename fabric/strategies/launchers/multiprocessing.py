@@ -18,10 +18,18 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from fabric.strategies.launchers.diagnosis import (
+    create_job_dir,
+    diagnose,
+    install_stack_dump,
+    record_failure,
+    remove_job_dir,
+)
 from fabric.strategies.launchers.launcher import Launcher
 from fabric.strategies.launchers.supervision import (
     KILL_GRACE_S,
@@ -112,12 +120,14 @@ class MultiprocessingLauncher(Launcher):
             context=tmp.get_context(self._start_method),
             num_processes=int(self._strategy.num_processes),
             rank_offset=node_rank * int(self._strategy.num_processes),
+            job_dir=create_job_dir(),
         )
         self._job = job
         try:
             payload = job.run(self._strategy, function, args, kwargs)
         finally:
             self._job = None
+            remove_job_dir(job.job_dir)
         if payload is None:
             return None
         return _deserialize(payload)
@@ -130,6 +140,18 @@ class MultiprocessingLauncher(Launcher):
         """
         if self._job is not None:
             self._job.kill(signum)
+
+    def on_rank_failure(self, trace: str) -> None:
+        """A worker's code raised (``trace``): leave it for the launching process's diagnosis.
+
+        The launching process stops the job as soon as the worker reports the error; before it does,
+        it reads every failure recorded here and, for a collective timeout, asks the live workers
+        where they are. Called in the launching process itself, it stops the running job.
+        """
+        if _worker_context is not None:
+            record_failure(*_worker_context, trace)
+        else:
+            self.kill()
 
     def __getstate__(self) -> dict[str, Any]:
         # The strategy (and this launcher with it) is pickled into every worker under
@@ -247,6 +269,10 @@ def _deserialize(payload: bytes) -> Any:
 # --------------------------------------------------------------------------------------
 
 
+# (job folder, rank) in a worker process; None in the launching process
+_worker_context: tuple[str, int] | None = None
+
+
 def _worker(
     process_idx: int,
     rank: int,
@@ -256,13 +282,19 @@ def _worker(
     args: tuple,
     kwargs: dict,
     conn: Connection,
+    job_dir: str | None = None,
 ) -> None:
     """Entry point of every worker process."""
+    global _worker_context
     become_group_leader()
     # Under fork we inherit the launcher's temporary handlers; a worker wants defaults.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     start_parent_watchdog(rank, launcher_pid)
+    if job_dir is not None:
+        _worker_context = (job_dir, rank)
+        # the launching process asks for our stack (a signal) when a collective times out
+        install_stack_dump(job_dir, rank)
     try:
         strategy._worker_setup(process_idx)
         result = function(*args, **kwargs)
@@ -278,9 +310,12 @@ def _worker(
     except SystemExit:
         raise  # sys.exit(n) in a worker: its code is its exit status, as usual
     except BaseException as err:
+        if job_dir is not None:
+            record_failure(job_dir, rank, "".join(traceback.format_exception(type(err), err, err.__traceback__)))
         text = format_rank_traceback(rank, type(err), err, err.__traceback__)
         try:
-            conn.send(("error", text))
+            # when it raised (a clock all processes share): the cause raises before its echoes
+            conn.send(("error", text, time.monotonic()))
         except Exception:
             sys.stderr.write(text)
         sys.exit(1)
@@ -295,10 +330,11 @@ def _worker(
 class _Job:
     """One run of the workers: start, supervise, collect, tear down."""
 
-    def __init__(self, context: Any, num_processes: int, rank_offset: int) -> None:
+    def __init__(self, context: Any, num_processes: int, rank_offset: int, job_dir: str | None = None) -> None:
         self.context = context
         self.num_processes = num_processes
         self.rank_offset = rank_offset
+        self.job_dir = job_dir
         self.procs: list[Any] = []
         self._lock = threading.Lock()
 
@@ -318,7 +354,7 @@ class _Job:
                 reader, writer = self.context.Pipe(duplex=False)
                 proc = self.context.Process(
                     target=_worker,
-                    args=(idx, self.rank_offset + idx, os.getpid(), strategy, function, args, kwargs, writer),
+                    args=(idx, self.rank_offset + idx, os.getpid(), strategy, function, args, kwargs, writer, self.job_dir),
                     name=f"fabric-rank-{self.rank_offset + idx}",
                     daemon=False,  # daemonic processes may not start DataLoader workers
                 )
@@ -392,7 +428,9 @@ class _Job:
         its peers raise "connection closed" moments later, and that message can even
         overtake the news of the death. So a rank that died without reporting an
         exception (a signal, ``os._exit``) is blamed before ranks that raised, and if only
-        exceptions are known we keep listening for ``_SETTLE_S`` seconds first.
+        exceptions are known we keep listening for ``_SETTLE_S`` seconds first. Among ranks
+        that raised, the one that raised first is the cause: its peers' errors ("connection
+        closed" in a collective) can only follow it, though their reports may arrive together.
         """
         died, raised = self._classify()
         deadline = time.monotonic() + _SETTLE_S
@@ -403,16 +441,35 @@ class _Job:
             self._collect(wait(list(self._sentinels) + list(self._readers), timeout=remaining))
             died, raised = self._classify()
         if died or raised:
-            idx = (died or raised)[0]
+            idx = died[0] if died else min(raised, key=self._raised_at)
             self._fail(idx, self._results.get(idx))
 
+    def _raised_at(self, idx: int) -> float:
+        message = self._results.get(idx)
+        return float(message[2]) if message is not None and len(message) > 2 else float("inf")
+
     def _fail(self, idx: int, message: tuple[str, Any] | None) -> None:
+        report = self._diagnosis()
         # Stop everyone first (the failed worker too: it may hang in its shutdown).
         self.kill()
         proc = self.procs[idx]
         proc.join(timeout=KILL_GRACE_S)
         traceback_text = message[1] if message is not None and message[0] == "error" else None
-        raise RankFailedError(self.rank_offset + idx, proc.exitcode, traceback_text)
+        raise RankFailedError(self.rank_offset + idx, proc.exitcode, traceback_text, diagnosis=report)
+
+    def _diagnosis(self) -> str | None:
+        """For a collective timeout: which workers did not arrive and where each one was.
+
+        Asked before anyone is stopped, while the stuck workers can still answer.
+        """
+        live = {self.rank_offset + i: p.pid for i, p in enumerate(self.procs) if p.pid is not None and p.exitcode is None}
+        raised = {self.rank_offset + i: m[1] for i, m in self._results.items() if m[0] == "error"}
+        for rank in raised:
+            live.pop(rank, None)  # it reported its error; whatever it does now is shutting down
+        try:
+            return diagnose(self.job_dir, live, raised)
+        except Exception as err:  # a diagnosis must never stand in the way of the teardown
+            return f"fabric: could not diagnose the failure ({type(err).__name__}: {err})"
 
 
 def _raise_on_sigterm() -> Callable[[], None]:

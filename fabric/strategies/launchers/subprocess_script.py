@@ -24,11 +24,20 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from fabric.strategies.launchers.diagnosis import (
+    JOB_DIR_ENV,
+    create_job_dir,
+    diagnose,
+    install_stack_dump,
+    record_failure,
+    remove_job_dir,
+)
 from fabric.strategies.launchers.launcher import Launcher
 from fabric.strategies.launchers.supervision import (
     KILL_GRACE_S,
@@ -105,6 +114,18 @@ class SubprocessScriptLauncher(Launcher):
         if self._supervisor is not None:
             self._supervisor.stop_children(signum)
 
+    def on_rank_failure(self, trace: str) -> None:
+        """This rank raised (``trace``): diagnose and stop the job in rank 0, record it in a child.
+
+        In rank 0 the children are asked where they are (if the error is a collective timeout, the
+        report names the ranks that never arrived) and then stopped; rank 0 goes on raising. In a
+        child rank the traceback is left in the job folder for rank 0's supervisor to read.
+        """
+        if self._supervisor is not None:
+            self._supervisor.rank_zero_failed(trace)
+        elif _child_supervised:
+            record_failure(os.environ.get(JOB_DIR_ENV), _env_rank(), trace)
+
     def __getstate__(self) -> dict[str, Any]:
         # Process handles and threads cannot travel to another process.
         state = self.__dict__.copy()
@@ -129,6 +150,7 @@ class SubprocessScriptLauncher(Launcher):
         command = _rerun_command()
         world_size = self.num_processes * self.num_nodes
         children: list[_Child] = []
+        job_dir = create_job_dir()
         try:
             for local_rank in range(1, self.num_processes):
                 rank = node_rank * self.num_processes + local_rank
@@ -145,6 +167,7 @@ class SubprocessScriptLauncher(Launcher):
                         "LOCAL_WORLD_SIZE": str(self.num_processes),
                         PARENT_PID_ENV: str(os.getpid()),
                         STATUS_FD_ENV: str(write_fd),
+                        JOB_DIR_ENV: job_dir,
                     }
                 )
                 try:
@@ -170,9 +193,10 @@ class SubprocessScriptLauncher(Launcher):
             kill_process_groups(pids, reap=lambda: [c.proc.poll() for c in children])
             for child in children:
                 child.close()
+            remove_job_dir(job_dir)
             raise
 
-        self._supervisor = _RankZeroSupervisor(rank=node_rank * self.num_processes, children=children)
+        self._supervisor = _RankZeroSupervisor(rank=node_rank * self.num_processes, children=children, job_dir=job_dir)
         self._supervisor.start()
 
 
@@ -215,6 +239,9 @@ def _supervise_as_child() -> None:
     rank = _env_rank()
     status_fd = _take_status_fd()
     start_parent_watchdog(rank, launcher_pid, expected_ppid=launcher_pid)
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    # rank 0 asks for our stack (a signal) when a collective times out, to name who did not arrive
+    install_stack_dump(job_dir, rank)
 
     previous_hook = sys.excepthook
     my_pid = os.getpid()
@@ -224,6 +251,8 @@ def _supervise_as_child() -> None:
             previous_hook(exc_type, exc, tb)
             return
         _print_rank_exception(rank, previous_hook, exc_type, exc, tb)
+        # before the status byte: rank 0 reads it to tell a collective timeout from other errors
+        record_failure(job_dir, rank, "".join(traceback.format_exception(exc_type, exc, tb)))
         if status_fd is not None:
             # Tell rank 0 right away: our interpreter shutdown may take long (or hang).
             try:
@@ -302,9 +331,10 @@ class _RankZeroSupervisor:
     worker, say) inherits the hooks but must never act for the job.
     """
 
-    def __init__(self, rank: int, children: list[_Child]) -> None:
+    def __init__(self, rank: int, children: list[_Child], job_dir: str | None = None) -> None:
         self.rank = rank
         self.children = children
+        self.job_dir = job_dir
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._stopping = False
@@ -400,9 +430,14 @@ class _RankZeroSupervisor:
             self._previous_excepthook(exc_type, exc, tb)
             return
         _print_rank_exception(self.rank, self._previous_excepthook, exc_type, exc, tb)
-        self._stop_job(f"rank {self.rank} failed")
+        self._stop_job(f"rank {self.rank} failed", own_trace="".join(traceback.format_exception(exc_type, exc, tb)))
 
-    def _stop_job(self, reason: str) -> None:
+    def rank_zero_failed(self, trace: str) -> None:
+        """Rank 0's code raised (reported by the strategy): diagnose, stop the children, keep running."""
+        if self._in_rank0():
+            self._stop_job(f"rank {self.rank} failed", own_trace=trace, kill_own=False)
+
+    def _stop_job(self, reason: str, own_trace: str | None = None, kill_own: bool = True) -> None:
         """Rank 0 is going down on its own terms: take the children (and ours) along."""
         with self._lock:
             if not self._stopping:
@@ -415,7 +450,12 @@ class _RankZeroSupervisor:
                 alive = self._alive_children()
                 if alive or cause is not None:
                     write_stderr(f"[fabric] {reason}; stopping the other {len(alive)} local rank(s)")
+                self._report_diagnosis({self.rank: own_trace} if own_trace is not None else {}, own_alive=False)
                 self._kill_children()
+                remove_job_dir(self.job_dir)
+        if not kill_own:
+            return
+        with self._lock:
             # Also after a deliberate kill(): rank 0's own subprocesses must not outlive it.
             self._kill_own_subprocesses()
 
@@ -487,6 +527,7 @@ class _RankZeroSupervisor:
         elif finished == len(self.children):
             for child in self.children:
                 child.close()
+            remove_job_dir(self.job_dir)
             self._all_done.set()
 
     def _classify(self) -> tuple[list[_Child], list[_Child], int]:
@@ -515,7 +556,18 @@ class _RankZeroSupervisor:
             if died or time.monotonic() >= deadline or not self._alive_children():
                 break
             time.sleep(0.02)
-        return (died or raised or [None])[0]
+        if died:
+            return died[0]
+        # among children that raised, the first to raise is the cause; its peers' errors can only follow
+        return min(raised, key=self._raised_at) if raised else None
+
+    def _raised_at(self, child: _Child) -> tuple[float, int]:
+        """When ``child`` recorded its failure (the file's mtime), for ordering causes before echoes."""
+        try:
+            recorded = os.stat(os.path.join(self.job_dir or "", f"failure-rank{child.rank}.txt")).st_mtime
+        except OSError:
+            recorded = float("inf")
+        return recorded, child.rank
 
     def _describe(self, child: _Child) -> str:
         what = describe_exit(child.rank, child.proc.poll(), raised=child.raised)
@@ -531,7 +583,9 @@ class _RankZeroSupervisor:
             # Every other rank: the other children and rank 0.
             others = len(self.children)
             write_stderr(f"[fabric] {self._describe(child)}; stopping the other {others} local rank(s)")
+            self._report_diagnosis({}, own_alive=True)
             self._teardown()
+            remove_job_dir(self.job_dir)
             flush_stdio()
             os._exit(1)
 
@@ -544,6 +598,7 @@ class _RankZeroSupervisor:
                 name = signal.Signals(signum).name
                 write_stderr(f"[fabric] rank {self.rank} received {name}; stopping all ranks")
                 self._teardown()
+                remove_job_dir(self.job_dir)
         if grace is None:
             grace = _SIGINT_GRACE_S if signum == signal.SIGINT else 0.0
         if grace > 0 and threading.current_thread() is not threading.main_thread():
@@ -561,6 +616,22 @@ class _RankZeroSupervisor:
         with self._lock:
             self._stopping = True
             self._kill_children(signum)
+            remove_job_dir(self.job_dir)
+
+    def _report_diagnosis(self, raised: dict[int, str], own_alive: bool) -> None:
+        """If a collective timed out: print which ranks did not arrive and where every rank was.
+
+        Runs before any rank is stopped, while the stuck ones can still be asked for their stacks.
+        """
+        live = {c.rank: c.proc.pid for c in self._alive_children()}
+        if own_alive:
+            live[self.rank] = os.getpid()
+        try:
+            report = diagnose(self.job_dir, live, raised, own_rank=self.rank if own_alive else None)
+        except Exception as err:  # a diagnosis must never stand in the way of the teardown
+            report = f"fabric: could not diagnose the failure ({type(err).__name__}: {err})"
+        if report:
+            write_stderr(report)
 
     def _alive_children(self) -> list[_Child]:
         return [c for c in self.children if c.proc.poll() is None]

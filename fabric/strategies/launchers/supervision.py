@@ -64,17 +64,23 @@ _IS_LINUX = sys.platform.startswith("linux")
 class RankFailedError(RuntimeError):
     """A rank of the job failed; carries which one, how, and its traceback text."""
 
-    def __init__(self, rank: int, exitcode: int | None, traceback_text: str | None = None) -> None:
+    def __init__(
+        self, rank: int, exitcode: int | None, traceback_text: str | None = None, diagnosis: str | None = None
+    ) -> None:
         self.rank = rank
         self.exitcode = exitcode
         self.traceback_text = traceback_text
+        #: for a collective timeout: which ranks did not arrive and where every rank was
+        self.diagnosis = diagnosis
         message = describe_exit(rank, exitcode, raised=traceback_text is not None)
         if traceback_text:
             message = f"{message}:\n{traceback_text.rstrip()}"
+        if diagnosis:
+            message = f"{message}\n{diagnosis}"
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[type, tuple[int, int | None, str | None]]:
-        return (type(self), (self.rank, self.exitcode, self.traceback_text))
+    def __reduce__(self) -> tuple[type, tuple[int, int | None, str | None, str | None]]:
+        return (type(self), (self.rank, self.exitcode, self.traceback_text, self.diagnosis))
 
 
 def signal_name(signum: int) -> str:

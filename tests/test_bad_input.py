@@ -1,0 +1,211 @@
+"""The issue's checklist of bad input: each one gives a clear error naming the value and changes nothing.
+
+"Changes nothing": a checkpoint file keeps its bytes, a model and optimizer keep their tensors, and
+no file appears where a failed call would have written one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fabric import Fabric
+from fabric.plugins.io import CheckpointLoadError
+
+pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+
+
+def cpu_fabric() -> Fabric:
+    return Fabric(accelerator="cpu", devices=1)
+
+
+def trained_pair(hidden: int = 8, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    tensors = [t.detach().clone() for t in model.state_dict().values()]
+    for per_param in optimizer.state.values():
+        tensors += [v.clone() for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return tensors + [torch.tensor(group["lr"]) for group in optimizer.param_groups]
+
+
+def assert_unchanged(model: nn.Module, optimizer: torch.optim.Optimizer, before: list[torch.Tensor]) -> None:
+    after = snapshot(model, optimizer)
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    model, optimizer = trained_pair(seed=1)
+    path = tmp_path / "good.pt"
+    cpu_fabric().save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    return path
+
+
+# ---- names ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"strategy": "dpp"}, "strategy='dpp'"),
+        ({"accelerator": "tpu"}, "accelerator='tpu'"),
+        ({"precision": "17-mixed"}, "precision='17-mixed'"),
+    ],
+)
+def test_unknown_names(kwargs, named):
+    with pytest.raises(ValueError) as info:
+        Fabric(**kwargs)
+    assert named in str(info.value) and "accepted" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"accelerator": "cpu", "devices": 0}, "devices=0"),
+        ({"accelerator": "cpu", "devices": -2}, "devices=-2"),
+        ({"accelerator": "cpu", "devices": 2.5}, "devices=2.5"),
+        ({"accelerator": "cpu", "num_nodes": 0}, "num_nodes=0"),
+        ({"accelerator": "cpu", "num_nodes": -1}, "num_nodes=-1"),
+    ],
+)
+def test_devices_and_num_nodes_out_of_range(kwargs, named):
+    with pytest.raises(ValueError, match="accepted") as info:
+        Fabric(**kwargs)
+    assert named in str(info.value)
+
+
+# ---- set-up and launching ---------------------------------------------------------------------------
+
+
+def test_setup_twice():
+    fabric = cpu_fabric()
+    model, optimizer = trained_pair()
+    fmodel, foptimizer = fabric.setup(model, optimizer)
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match="model was already set up"):
+        fabric.setup(fmodel)
+    with pytest.raises(ValueError, match="optimizer was already set up"):
+        fabric.setup(nn.Linear(1, 1), foptimizer)
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(list(range(4))))
+    with pytest.raises(ValueError, match="dataloader was already set up"):
+        fabric.setup_dataloaders(loader)
+    assert_unchanged(model, optimizer, before)
+
+
+@pytest.mark.parametrize(
+    ("name", "call"),
+    [
+        ("all_reduce", lambda f: f.all_reduce(torch.ones(1))),
+        ("all_gather", lambda f: f.all_gather(torch.ones(1))),
+        ("broadcast", lambda f: f.broadcast(1)),
+        ("barrier", lambda f: f.barrier()),
+        ("reduce_boolean_decision", lambda f: f.reduce_boolean_decision(True)),
+    ],
+)
+def test_collectives_before_launch(name, call):
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+    with pytest.raises(RuntimeError, match=rf"Fabric\.{name}\(\) was called before Fabric\.launch\(\)"):
+        call(fabric)
+
+
+def test_save_and_load_before_launch_touch_nothing(tmp_path, checkpoint):
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+    with pytest.raises(RuntimeError, match=r"Fabric\.save\(\) was called before Fabric\.launch\(\)"):
+        fabric.save(tmp_path / "new.pt", {"step": 1})
+    assert not (tmp_path / "new.pt").exists()
+    model, optimizer = trained_pair(seed=2)
+    before, data = snapshot(model, optimizer), checkpoint.read_bytes()
+    with pytest.raises(RuntimeError, match=r"Fabric\.load\(\) was called before Fabric\.launch\(\)"):
+        fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
+    assert_unchanged(model, optimizer, before)
+    assert checkpoint.read_bytes() == data
+
+
+@pytest.mark.parametrize("not_callable", ["train", 3])
+def test_launch_of_a_non_callable(not_callable):
+    with pytest.raises(TypeError, match=f"takes a callable, got {not_callable!r}"):
+        Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(not_callable)
+
+
+def test_launch_of_an_unpicklable_function_under_spawn():
+    fabric = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2)
+    with pytest.raises(RuntimeError) as info:
+        fabric.launch(lambda fabric: None)
+    message = str(info.value)
+    assert "<lambda>" in message and "could not be pickled" in message  # what and why
+    assert "top level" in message and "ddp_fork" in message  # what to do
+    assert multiprocessing.active_children() == []  # nothing was started
+
+
+# ---- loading bad files ------------------------------------------------------------------------------
+
+
+def _assert_load_fails_and_changes_nothing(path: Path, error: type[Exception], *named: str) -> None:
+    model, optimizer = trained_pair(seed=5)
+    before = snapshot(model, optimizer)
+    data = path.read_bytes() if path.exists() else None
+    with pytest.raises(error) as info:
+        cpu_fabric().load(path, {"model": model, "optimizer": optimizer})
+    assert str(path) in str(info.value)
+    for text in named:
+        assert text in str(info.value)
+    assert_unchanged(model, optimizer, before)
+    assert (path.read_bytes() if path.exists() else None) == data
+
+
+def test_load_of_a_missing_file(tmp_path):
+    _assert_load_fails_and_changes_nothing(tmp_path / "missing.pt", FileNotFoundError)
+    assert not (tmp_path / "missing.pt").exists()
+
+
+def test_load_of_an_empty_file(tmp_path):
+    (tmp_path / "empty.pt").touch()
+    _assert_load_fails_and_changes_nothing(tmp_path / "empty.pt", CheckpointLoadError, "empty")
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 0.95])
+def test_load_of_a_truncated_file(tmp_path, checkpoint, fraction):
+    data = checkpoint.read_bytes()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: int(len(data) * fraction)])
+    _assert_load_fails_and_changes_nothing(truncated, CheckpointLoadError)
+
+
+class RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_load_of_a_payload_carrying_file(tmp_path):
+    model, optimizer = trained_pair(seed=1)
+    path = tmp_path / "payload.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "x": RunsCode(str(tmp_path / "ran"))}, path)
+    _assert_load_fails_and_changes_nothing(path, CheckpointLoadError, "weights_only=False")
+    assert not (tmp_path / "ran").exists()
+
+
+def test_load_into_a_model_of_another_shape(checkpoint):
+    model, optimizer = trained_pair(hidden=16, seed=5)  # the checkpoint's hidden size is 8
+    before, data = snapshot(model, optimizer), checkpoint.read_bytes()
+    with pytest.raises(RuntimeError) as info:
+        cpu_fabric().load(checkpoint, {"model": model, "optimizer": optimizer})
+    message = str(info.value)
+    assert "'0.weight'" in message  # the first key that does not fit
+    assert "(8, 4)" in message and "(16, 4)" in message
+    assert_unchanged(model, optimizer, before)
+    assert checkpoint.read_bytes() == data
