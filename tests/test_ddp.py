@@ -401,8 +401,6 @@ def test_spawn_failing_rank_raises_in_the_caller(clean_env):
     with pytest.raises(RankFailedError) as info:
         fabric.launch(checks.failing_job, 1)
     assert time.monotonic() - start < 30, "the peer waiting in a barrier must not hold the job up"
-    if "rank 1 fails on purpose" not in str(info.value):
-        # Rank 0 then fails too ("connection reset" in its barrier): an echo of rank 1's failure that the
-        # launcher can receive in the same breath. It should report the cause, not the echo.
-        pytest.xfail(f"the launcher blamed the echo in rank {info.value.rank}, not the failing rank 1")
+    # rank 0 then fails too ("connection reset" in its barrier): the launcher must report the cause, not the echo
+    assert "rank 1 fails on purpose" in str(info.value)
     assert info.value.rank == 1
