@@ -24,6 +24,15 @@ _LOADER_ATTRIBUTES = (
 )
 
 
+
+def loader_arguments(dataloader: DataLoader) -> dict[str, Any]:
+    """The arguments (besides dataset and sampling) that re-create a DataLoader like ``dataloader``."""
+    kwargs = {name: getattr(dataloader, name) for name in _LOADER_ATTRIBUTES if hasattr(dataloader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)  # only valid with worker processes
+        kwargs["persistent_workers"] = False
+    return kwargs
+
 class _SamplerIndices(Dataset):
     """The indices one pass of a user's sampler yields, seen as a dataset so it can be sharded."""
 
@@ -86,10 +95,7 @@ def shard_dataloader(dataloader: DataLoader, num_replicas: int, rank: int) -> Da
             " call setup_dataloaders(..., use_distributed_sampler=False) and shard it yourself"
         )
     sampler = distributed_sampler_for(dataloader.sampler, num_replicas, rank)
-    kwargs = {name: getattr(dataloader, name) for name in _LOADER_ATTRIBUTES if hasattr(dataloader, name)}
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("prefetch_factor", None)
-        kwargs["persistent_workers"] = False
+    kwargs = loader_arguments(dataloader)
     if batch_sampler is None:
         kwargs.update(batch_size=None, sampler=sampler)
     else:

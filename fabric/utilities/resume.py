@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fabric.utilities.data import loader_arguments
+
 __all__ = [
     "PER_RANK_KEY",
     "SkipBatches",
@@ -150,21 +152,6 @@ class SkipBatches:
 
 _END = object()
 
-# DataLoader arguments that can be read back from an instance and passed to a new one
-_LOADER_ARGUMENTS = (
-    "num_workers",
-    "collate_fn",
-    "pin_memory",
-    "timeout",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "generator",
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory_device",
-    "in_order",
-)
-
 
 def loader_skipping(dataloader: Any, skip: int, on_start: Callable[[], None]) -> Any | None:
     """A DataLoader like ``dataloader`` whose next epoch starts after ``skip`` batches, or None.
@@ -177,10 +164,7 @@ def loader_skipping(dataloader: Any, skip: int, on_start: Callable[[], None]) ->
 
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
         return None
-    kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGUMENTS if hasattr(dataloader, name)}
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("prefetch_factor", None)
-        kwargs["persistent_workers"] = False
+    kwargs = loader_arguments(dataloader)
     if dataloader.batch_sampler is not None:
         kwargs["batch_sampler"] = SkipBatches(dataloader.batch_sampler, skip, on_start)
     else:  # batch_size=None: the sampler yields one sample's index per "batch"
