@@ -198,7 +198,22 @@ class ClusterEnvironment(ABC):
 
 
 class _ClusterDecidesRanks:
-    """Mixin for environments whose ranks come from the launcher: setters only log."""
+    """Mixin for environments whose launcher started every rank: ranks come from it, setters only log.
+
+    The rendezvous point defaults to MASTER_ADDR/MASTER_PORT, as torchrun and Kubeflow export them.
+    """
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return _env_str("MASTER_ADDR")
+
+    @property
+    def main_port(self) -> int:
+        return _env_port()
 
     def set_world_size(self, size: int) -> None:
         log.debug("%s ignores set_world_size(%r); the world size comes from the environment.", type(self).__name__, size)
@@ -288,18 +303,6 @@ class TorchElasticEnvironment(_ClusterDecidesRanks, ClusterEnvironment):
     """Processes started by ``torchrun``, which exports every rank and the rendezvous point."""
 
     _MARKERS = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return _env_str("MASTER_ADDR")
-
-    @property
-    def main_port(self) -> int:
-        return _env_port()
 
     @staticmethod
     def detect() -> bool:
@@ -437,10 +440,6 @@ class SLURMEnvironment(_ClusterDecidesRanks, ClusterEnvironment):
     """
 
     @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
     def main_address(self) -> str:
         if "MASTER_ADDR" in os.environ:
             return _env_str("MASTER_ADDR")
@@ -514,10 +513,6 @@ class LSFEnvironment(_ClusterDecidesRanks, ClusterEnvironment):
     """
 
     _MARKERS = ("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_SIZE")
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
 
     @property
     def main_address(self) -> str:
@@ -599,10 +594,6 @@ class MPIEnvironment(_ClusterDecidesRanks, ClusterEnvironment):
         if not _mpi4py_available():
             raise ImportError(_MPI_HINT)
         self._info: dict[str, Any] | None = None
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
 
     @property
     def main_address(self) -> str:
@@ -690,18 +681,6 @@ class KubeflowEnvironment(_ClusterDecidesRanks, ClusterEnvironment):
     _REQUIRED = ("KUBERNETES_PORT", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
     # Present when another launcher runs inside the pod; then that launcher's environment wins.
     _EXCLUDED = ("SLURM_NTASKS", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "LOCAL_WORLD_SIZE")
-
-    @property
-    def creates_processes_externally(self) -> bool:
-        return True
-
-    @property
-    def main_address(self) -> str:
-        return _env_str("MASTER_ADDR")
-
-    @property
-    def main_port(self) -> int:
-        return _env_port()
 
     @staticmethod
     def detect() -> bool:
