@@ -13,14 +13,11 @@ from typing import Any
 
 from fabric.loggers.logger import (
     DEFAULT_NAME,
-    Logger,
+    FolderLogger,
     add_prefix,
-    check_version,
-    next_version,
     params_to_dict,
     rank_zero_only,
     to_number,
-    version_folder,
 )
 
 __all__ = ["CSVLogger"]
@@ -29,7 +26,7 @@ METRICS_FILE = "metrics.csv"
 HPARAMS_FILE = "hparams.json"
 
 
-class CSVLogger(Logger):
+class CSVLogger(FolderLogger):
     """Log metrics to ``root_dir/name/version_N/metrics.csv``, one row per ``log_metrics`` call.
 
     Args:
@@ -55,9 +52,7 @@ class CSVLogger(Logger):
     ) -> None:
         if isinstance(flush_logs_every_n_steps, bool) or not isinstance(flush_logs_every_n_steps, int) or flush_logs_every_n_steps < 1:
             raise ValueError(f"flush_logs_every_n_steps={flush_logs_every_n_steps!r} is not valid; accepted: an int >= 1")
-        self._root_dir = os.fspath(root_dir)
-        self._name = name or ""
-        self._version = check_version(version)
+        super().__init__(root_dir, name, version)
         self._prefix = prefix
         self._flush_every = flush_logs_every_n_steps
         self._rows: list[dict[str, Any]] = []  # not yet written
@@ -82,25 +77,6 @@ class CSVLogger(Logger):
         self._save_at_exit()
 
     # ---- where ------------------------------------------------------------------------------------
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> int | str:
-        """Decided on first use: the next free ``version_N`` when none was given."""
-        if self._version is None:
-            self._version = next_version(os.path.join(self._root_dir, self._name))
-        return self._version
-
-    @property
-    def root_dir(self) -> str:
-        return self._root_dir
-
-    @property
-    def log_dir(self) -> str:
-        return os.path.join(self._root_dir, self._name, version_folder(self.version))
 
     @property
     def metrics_file_path(self) -> str:
@@ -160,9 +136,6 @@ class CSVLogger(Logger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         self.save()
-
-    def __repr__(self) -> str:
-        return f"CSVLogger(root_dir={self._root_dir!r}, name={self._name!r}, version={self._version!r})"
 
 
 def _read_header(path: str) -> list[str]:

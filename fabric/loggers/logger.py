@@ -69,6 +69,37 @@ class Logger(ABC):
         self.save()
 
 
+
+class FolderLogger(Logger):
+    """A logger writing under ``root_dir/name/version_N``: the folder layout both file loggers share."""
+
+    def __init__(self, root_dir: str | os.PathLike, name: str, version: int | str | None) -> None:
+        self._root_dir = os.fspath(root_dir)
+        self._name = name or ""
+        self._version = check_version(version)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        """Decided on first use: the next free ``version_N`` when none was given."""
+        if self._version is None:
+            self._version = next_version(os.path.join(self._root_dir, self._name))
+        return self._version
+
+    @property
+    def root_dir(self) -> str:
+        return self._root_dir
+
+    @property
+    def log_dir(self) -> str:
+        return os.path.join(self._root_dir, self._name, version_folder(self.version))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(root_dir={self._root_dir!r}, name={self._name!r}, version={self._version!r})"
+
 def next_version(experiment_dir: str) -> int:
     """One more than the highest ``version_N`` folder in ``experiment_dir`` (0 when there is none)."""
     try:

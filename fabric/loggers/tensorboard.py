@@ -13,15 +13,12 @@ from typing import Any
 
 from fabric.loggers.logger import (
     DEFAULT_NAME,
-    Logger,
+    FolderLogger,
     add_prefix,
-    check_version,
     flatten,
-    next_version,
     params_to_dict,
     rank_zero_only,
     to_number,
-    version_folder,
 )
 
 __all__ = ["TensorBoardLogger"]
@@ -32,7 +29,7 @@ _INSTALL_HINT = (
 )
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(FolderLogger):
     """Log to ``root_dir/name/version_N[/sub_dir]`` in TensorBoard's event-file format.
 
     Args:
@@ -63,9 +60,7 @@ class TensorBoardLogger(Logger):
         except ImportError as err:  # torch raises ImportError when tensorboard is absent
             raise ImportError(_INSTALL_HINT) from err
         self._writer_class = SummaryWriter
-        self._root_dir = os.fspath(root_dir)
-        self._name = name or ""
-        self._version = check_version(version)
+        super().__init__(root_dir, name, version)
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
         self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
@@ -73,23 +68,8 @@ class TensorBoardLogger(Logger):
         self._writer: Any = None
 
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def version(self) -> int | str:
-        if self._version is None:
-            self._version = next_version(os.path.join(self._root_dir, self._name))
-        return self._version
-
-    @property
-    def root_dir(self) -> str:
-        return self._root_dir
-
-    @property
     def log_dir(self) -> str:
-        path = os.path.join(self._root_dir, self._name, version_folder(self.version))
-        return os.path.join(path, self._sub_dir) if self._sub_dir else path
+        return os.path.join(super().log_dir, self._sub_dir) if self._sub_dir else super().log_dir
 
     @property
     def sub_dir(self) -> str | None:
@@ -157,9 +137,6 @@ class TensorBoardLogger(Logger):
         state = self.__dict__.copy()
         state["_writer"] = None
         return state
-
-    def __repr__(self) -> str:
-        return f"TensorBoardLogger(root_dir={self._root_dir!r}, name={self._name!r}, version={self._version!r})"
 
 
 def _hparam_value(value: Any) -> Any:

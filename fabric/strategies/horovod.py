@@ -185,13 +185,6 @@ class HorovodStrategy(ParallelStrategy):
 
     # ---- modules and optimizers -------------------------------------------------------------------
 
-    def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer]
-    ) -> tuple[Module, list[Optimizer]]:
-        # setup_module records the module's parameter names, so the optimizers' all-reduces carry them
-        module = self.setup_module(module)
-        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers]
-
     def setup_module(self, module: Module) -> Module:
         """Start every rank from rank 0's parameters and buffers; the module itself is not wrapped."""
         hvd = self._horovod()
