@@ -258,7 +258,7 @@ def _rx_bytes(namespace: str, interface: str) -> int:
 @pytest.mark.timeout(120)
 def test_fabric_run_on_two_hosts_with_their_own_addresses(tmp_path: Path, two_hosts: list[tuple[str, str, str]]) -> None:
     main_address = two_hosts[0][2]
-    port = 29500
+    port = 29500  # fixed on purpose: the two namespaces are new and private, so nothing else holds it
     before = _rx_bytes(two_hosts[1][0], two_hosts[1][1])
     commands, envs = [], []
     for node, (namespace, interface, _) in enumerate(two_hosts):
