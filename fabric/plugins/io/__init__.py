@@ -1,0 +1,11 @@
+"""Checkpoint IO: how checkpoint dictionaries become files (single-file) or folders (sharded)."""
+
+from fabric.plugins.io.single_file import (
+    CheckpointIO,
+    CheckpointLoadError,
+    TorchCheckpointIO,
+    atomic_save,
+    safe_load,
+)
+
+__all__ = ["CheckpointIO", "CheckpointLoadError", "TorchCheckpointIO", "atomic_save", "safe_load"]
