@@ -33,6 +33,7 @@ _CLASSES = {
     "BackwardSyncControl": "fabric.strategies.strategy",
     "SingleDeviceStrategy": "fabric.strategies.single_device",
     "ParallelStrategy": "fabric.strategies.parallel",
+    "ProcessGroupStrategy": "fabric.strategies.ddp",
     "DDPStrategy": "fabric.strategies.ddp",
     "DataParallelStrategy": "fabric.strategies.dp",
     "HorovodStrategy": "fabric.strategies.horovod",

@@ -35,23 +35,18 @@ _NAMED_OPS = {
 }
 
 
-class DDPStrategy(ParallelStrategy):
-    """Data parallelism over processes with :class:`torch.nn.parallel.DistributedDataParallel`.
+class ProcessGroupStrategy(ParallelStrategy):
+    """One process per device joined in a ``torch.distributed`` process group; no module wrapping.
+
+    The launcher, the process group's life cycle, device placement and the collectives, shared by every
+    strategy built on a process group (DDP, FSDP, model parallel). Subclasses say how a module is wrapped.
 
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: filled in by
             the connector when left as None.
-        ddp_comm_state, ddp_comm_hook: a DDP communication hook and its state, registered on the
-            wrapped module (e.g. ``default_hooks.allreduce_hook`` with a process group or None).
-        ddp_comm_wrapper: wraps the hook, e.g. ``default_hooks.fp16_compress_wrapper``.
-        model_averaging_period: post-local SGD. After the warm-up (the ``start_localSGD_iter`` of a
-            ``PostLocalSGDState`` given as ``ddp_comm_state``; 0 without one) gradients are reduced
-            only inside ``subgroup`` (by default the processes of one machine) and the parameters of
-            all replicas are averaged every ``model_averaging_period`` optimizer steps.
         process_group_backend: "gloo", "nccl", ...; by default "nccl" on CUDA devices, else "gloo".
         timeout: how long a collective waits for the other ranks before failing.
         start_method: "popen" (re-run the script), "spawn", "fork" or "forkserver".
-        **kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``).
     """
 
     def __init__(
@@ -61,14 +56,9 @@ class DDPStrategy(ParallelStrategy):
         cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision: Any = None,
-        ddp_comm_state: object | None = None,
-        ddp_comm_hook: Callable | None = None,
-        ddp_comm_wrapper: Callable | None = None,
-        model_averaging_period: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(seconds=1800),
         start_method: str = "popen",
-        **kwargs: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -81,29 +71,16 @@ class DDPStrategy(ParallelStrategy):
             raise ValueError(
                 f"start_method={start_method!r} is not supported; accepted: {', '.join(map(repr, START_METHODS))}"
             )
-        if model_averaging_period is not None and (
-            isinstance(model_averaging_period, bool) or not isinstance(model_averaging_period, int) or model_averaging_period < 1
-        ):
-            raise ValueError(f"model_averaging_period={model_averaging_period!r} is not valid; accepted: an int >= 1 or None")
-        if model_averaging_period is not None:
-            ddp_comm_hook, ddp_comm_state = _post_local_sgd_parts(ddp_comm_hook, ddp_comm_state)
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._timeout = timeout
-        self._ddp_comm_state = ddp_comm_state
-        self._ddp_comm_hook = ddp_comm_hook
-        self._ddp_comm_wrapper = ddp_comm_wrapper
-        self._model_averaging_period = model_averaging_period
-        self._model_averager: Any = None
-        self._ddp_kwargs = kwargs
-        self._backward_sync_control = _DDPBackwardSyncControl()
 
     # ---- placement and ranks ------------------------------------------------------------------------
 
     @property
     def root_device(self) -> torch.device:
         if not self.parallel_devices:
-            raise RuntimeError("DDPStrategy has no parallel_devices yet; the connector sets them")
+            raise RuntimeError(f"{type(self).__name__} has no parallel_devices yet; the connector sets them")
         return self.parallel_devices[self.local_rank]
 
     @property
@@ -149,7 +126,7 @@ class DDPStrategy(ParallelStrategy):
 
     def _init_process_group(self) -> None:
         if not dist.is_available():
-            raise RuntimeError("torch.distributed is not available in this build of PyTorch; DDP needs it")
+            raise RuntimeError(f"torch.distributed is not available in this build of PyTorch; {type(self).__name__} needs it")
         if dist.is_initialized():
             return
         from fabric.utilities.seed import reset_seed
@@ -170,53 +147,10 @@ class DDPStrategy(ParallelStrategy):
         """Leave the process group (so a later job in this process can join a new one)."""
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        self._model_averager = None
         super().teardown()
-
-    # ---- modules and optimizers -----------------------------------------------------------------------
-
-    def setup_module(self, module: Module) -> DistributedDataParallel:
-        """Wrap ``module`` in DistributedDataParallel (which broadcasts rank 0's weights to every rank)."""
-        if not dist.is_initialized():
-            raise RuntimeError("DDPStrategy.setup_module() needs the process group: call Fabric.launch() first")
-        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        ddp = DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
-        self._register_comm_hook(ddp)
-        return ddp
-
-    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
-        if self._ddp_comm_hook is None:
-            return
-        hook = self._ddp_comm_hook
-        if self._ddp_comm_wrapper is not None:
-            hook = self._ddp_comm_wrapper(hook)
-        if self._model_averaging_period is not None:
-            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-
-            state: Any = self._ddp_comm_state
-            if state.subgroup is None and state.post_local_gradient_allreduce and self.root_device.type != "cuda":
-                # torch picks the machine's processes as the subgroup only when it can count GPUs; say it here
-                # (a collective: every rank sets up its module at the same point)
-                state.subgroup, _ = dist.new_subgroups(group_size=self.num_processes)
-            warmup = state.start_localSGD_iter
-            self._model_averager = PeriodicModelAverager(period=self._model_averaging_period, warmup_steps=warmup)
-        ddp.register_comm_hook(state=self._ddp_comm_state, hook=hook)
 
     def module_to_device(self, module: Module) -> None:
         module.to(self.root_device)
-
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step; with post-local SGD, then average the parameters across ranks when the period is due."""
-        output = super().optimizer_step(optimizer, **kwargs)
-        if self._model_averager is not None:
-            self._model_averager.average_parameters(optimizer.param_groups)
-        return output
-
-    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        return _unwrap_ddp(module).state_dict()
-
-    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        super().load_module_state_dict(_unwrap_ddp(module), state_dict, strict=strict)
 
     # ---- collectives ----------------------------------------------------------------------------------
 
@@ -261,6 +195,112 @@ class DDPStrategy(ParallelStrategy):
         if self.root_device.type == "cuda":
             result = move_data_to_device(result, self.root_device)
         return result
+
+
+class DDPStrategy(ProcessGroupStrategy):
+    """Data parallelism over processes with :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision: filled in by
+            the connector when left as None.
+        ddp_comm_state, ddp_comm_hook: a DDP communication hook and its state, registered on the
+            wrapped module (e.g. ``default_hooks.allreduce_hook`` with a process group or None).
+        ddp_comm_wrapper: wraps the hook, e.g. ``default_hooks.fp16_compress_wrapper``.
+        model_averaging_period: post-local SGD. After the warm-up (the ``start_localSGD_iter`` of a
+            ``PostLocalSGDState`` given as ``ddp_comm_state``; 0 without one) gradients are reduced
+            only inside ``subgroup`` (by default the processes of one machine) and the parameters of
+            all replicas are averaged every ``model_averaging_period`` optimizer steps.
+        process_group_backend: "gloo", "nccl", ...; by default "nccl" on CUDA devices, else "gloo".
+        timeout: how long a collective waits for the other ranks before failing.
+        start_method: "popen" (re-run the script), "spawn", "fork" or "forkserver".
+        **kwargs: passed to ``DistributedDataParallel`` (e.g. ``find_unused_parameters=True``).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision: Any = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(seconds=1800),
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if model_averaging_period is not None and (
+            isinstance(model_averaging_period, bool) or not isinstance(model_averaging_period, int) or model_averaging_period < 1
+        ):
+            raise ValueError(f"model_averaging_period={model_averaging_period!r} is not valid; accepted: an int >= 1 or None")
+        if model_averaging_period is not None:
+            ddp_comm_hook, ddp_comm_state = _post_local_sgd_parts(ddp_comm_hook, ddp_comm_state)
+        self._ddp_comm_state = ddp_comm_state
+        self._ddp_comm_hook = ddp_comm_hook
+        self._ddp_comm_wrapper = ddp_comm_wrapper
+        self._model_averaging_period = model_averaging_period
+        self._model_averager: Any = None
+        self._ddp_kwargs = kwargs
+        self._backward_sync_control = _DDPBackwardSyncControl()
+
+    # ---- modules and optimizers -----------------------------------------------------------------------
+
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        """Wrap ``module`` in DistributedDataParallel (which broadcasts rank 0's weights to every rank)."""
+        if not dist.is_initialized():
+            raise RuntimeError("DDPStrategy.setup_module() needs the process group: call Fabric.launch() first")
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        ddp = DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
+        self._register_comm_hook(ddp)
+        return ddp
+
+    def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
+        if self._ddp_comm_hook is None:
+            return
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        if self._model_averaging_period is not None:
+            from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+            state: Any = self._ddp_comm_state
+            if state.subgroup is None and state.post_local_gradient_allreduce and self.root_device.type != "cuda":
+                # torch picks the machine's processes as the subgroup only when it can count GPUs; say it here
+                # (a collective: every rank sets up its module at the same point)
+                state.subgroup, _ = dist.new_subgroups(group_size=self.num_processes)
+            warmup = state.start_localSGD_iter
+            self._model_averager = PeriodicModelAverager(period=self._model_averaging_period, warmup_steps=warmup)
+        ddp.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Step; with post-local SGD, then average the parameters across ranks when the period is due."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        if self._model_averager is not None:
+            self._model_averager.average_parameters(optimizer.param_groups)
+        return output
+
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        return _unwrap_ddp(module).state_dict()
+
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        super().load_module_state_dict(_unwrap_ddp(module), state_dict, strict=strict)
+
+    def teardown(self) -> None:
+        self._model_averager = None
+        super().teardown()
 
     def __repr__(self) -> str:
         return f"DDPStrategy(start_method={self._start_method!r}, backend={self._process_group_backend!r})"
