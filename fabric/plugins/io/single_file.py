@@ -86,8 +86,7 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     ``fdatasync`` only waits for the last few megabytes.
     """
     path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"Cannot save a checkpoint to {str(path)!r}: it is a folder")
+    _check_target(path)
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_files(folder, path.name)
@@ -99,13 +98,59 @@ def atomic_save(obj: Any, path: str | Path) -> None:
             writer.finish()
         _keep_mode_of(path, temp_name)
         os.replace(temp_name, path)
-    except BaseException:
+    except BaseException as err:
         try:
             os.unlink(temp_name)
         except FileNotFoundError:
             pass
+        write_error = _write_error(err)
+        if write_error is not None:
+            # the user knows the target, not our hidden temporary file: name the target
+            raise OSError(write_error.errno, f"Could not save the checkpoint {str(path)!r}: {write_error.strerror}"
+                          " (the previous file, if any, is unchanged)") from err
         raise
     _fsync_folder(folder)
+
+
+def _check_target(path: Path) -> None:
+    """Only a regular file (or nothing) may be replaced: never a folder, a device, a FIFO or a socket."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # e.g. a component is not a folder: mkdir / open report it naming the path
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"Cannot save a checkpoint to {str(path)!r}: it is a folder")
+    if not stat.S_ISREG(mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise ValueError(
+            f"Cannot save a checkpoint to {str(path)!r}: it is {kind}; accepted: a regular file or a path that does"
+            " not exist yet"
+        )
+
+
+_FILE_KINDS = {
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _write_error(err: BaseException) -> OSError | None:
+    """The operating system's write error (disk full, file too large, I/O error) behind ``err``, if any.
+
+    ``torch.save`` reports a failed write of its zip writer as a RuntimeError whose cause is lost; the
+    OSError raised by our file object is then its ``__context__``.
+    """
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno is not None and err.strerror:
+            return err
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
 
 
 # Small writes (zip headers) are gathered; big ones (tensor data) go straight to the kernel.
