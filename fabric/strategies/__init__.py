@@ -26,6 +26,8 @@ STRATEGY_REGISTRY: dict[str, tuple[str, dict[str, Any]]] = {
         {"start_method": "spawn", "find_unused_parameters": True},
     ),
     "horovod": ("fabric.strategies.horovod:HorovodStrategy", {}),
+    "fsdp": ("fabric.strategies.fsdp:FSDPStrategy", {}),
+    "fsdp_cpu_offload": ("fabric.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}),
 }
 
 _CLASSES = {
@@ -37,6 +39,8 @@ _CLASSES = {
     "DDPStrategy": "fabric.strategies.ddp",
     "DataParallelStrategy": "fabric.strategies.dp",
     "HorovodStrategy": "fabric.strategies.horovod",
+    "FSDPStrategy": "fabric.strategies.fsdp",
+    "ModelParallelStrategy": "fabric.strategies.model_parallel",
 }
 
 

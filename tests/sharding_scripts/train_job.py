@@ -1,0 +1,190 @@
+"""Checks run in every rank of a real torchrun job: ``torchrun --nproc-per-node N train_job.py OUTDIR``.
+
+Each check builds its own ``Fabric`` (torchrun started the ranks, so no launcher starts more) and
+records numbers instead of asserting; rank r saves them to ``OUTDIR/rank{r}.pt`` for the test.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import GLOBAL_BATCH, Block, data, full_parameters, make_net, max_difference, parallelize, reference_run  # noqa: E402
+
+from fabric import Fabric  # noqa: E402
+from fabric.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+
+STEPS = 10
+MAX_NORM = 0.5
+
+
+def new_fabric(strategy: Any) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size() if dist.is_initialized() else "auto", strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def local_batch(fabric: Fabric, x: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a global batch: by data-parallel rank (tensor-parallel peers share rows)."""
+    kwargs = fabric.strategy.distributed_sampler_kwargs
+    per_rank = GLOBAL_BATCH // kwargs["num_replicas"]
+    return x[kwargs["rank"] * per_rank : (kwargs["rank"] + 1) * per_rank]
+
+
+def train(fabric: Fabric, model: Any, optimizer: Any, steps: int, clip: bool, accumulate: int = 1) -> list[float]:
+    xs, ys = data(steps)
+    norms = []
+    for x, y in zip(xs, ys):
+        x, y = local_batch(fabric, x), local_batch(fabric, y)
+        chunks = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        for i, (xc, yc) in enumerate(chunks):
+            with fabric.no_backward_sync(model, enabled=i < len(chunks) - 1):
+                fabric.backward(F.mse_loss(model(xc), yc) / accumulate)
+        if clip:
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
+
+
+def training_check(strategy: Any, joint_setup: bool = False, accumulate: int = 1, clip: bool = True, steps: int = STEPS) -> dict[str, Any]:
+    """Sharded training on this rank's slice vs one-process training on the global batch."""
+    fabric = new_fabric(strategy)
+    model = make_net()
+    if joint_setup:  # the optimizer is created before sharding: setup() re-points it
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        model, optimizer = fabric.setup(model, optimizer)
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    norms = train(fabric, model, optimizer, steps, clip, accumulate)
+    expected, expected_norms = reference_run(steps, MAX_NORM if clip else None)
+    result = {"max_diff": max_difference(full_parameters(model.module), expected)}
+    if clip:
+        result["norm_diff"] = max(abs(a - b) for a, b in zip(norms, expected_norms))
+        result["clipped"] = sum(n > MAX_NORM for n in expected_norms)
+    result["local_numel"] = sum(p.to_local().numel() for p in model.module.parameters())
+    return result
+
+
+def memory_check(strategy: Any, blocks: int, empty_init: bool) -> dict[str, Any]:
+    """Peak memory while creating and sharding a model that is big next to the rest of the process."""
+    from torch.distributed.tensor import DTensor
+
+    fabric = new_fabric(strategy)
+    with fabric.init_module(empty_init=True):  # warm-up: the imports and buffers of a first sharding
+        warm_up = fabric.setup_module(_WideNet(1, width=8))
+    warm_up(torch.randn(2, 8)).sum().backward()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with fabric.init_module(empty_init=empty_init):
+        model = _WideNet(blocks)
+    on_meta = all(p.is_meta for p in model.parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = fabric.setup_module(model)
+    peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    params = list(model.module.parameters())
+    local_bytes = sum(p.to_local().numel() * p.element_size() for p in params)
+    # replicated copies must agree across ranks after materialisation
+    replicas_agree = True
+    for p in params:
+        if isinstance(p, DTensor) and any(pl.is_replicate() for pl in p.placements):
+            local = p.to_local().detach().contiguous()
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+            replicas_agree &= _replicas_equal(p, gathered)
+    finite = all(bool(torch.isfinite(p.to_local()).all()) for p in params)
+    out = model(torch.randn(2, 512))
+    return {
+        "on_meta": on_meta,
+        "full_bytes": full_bytes,
+        "local_bytes": local_bytes,
+        "peak_growth": peak_after - peak_before,
+        "replicas_agree": replicas_agree,
+        "finite": finite,
+        "output_shape": tuple(out.shape),
+    }
+
+
+class _WideNet(torch.nn.Module):
+    """About 8 MB of float32 parameters per block; ``model.parallelize`` applies to it too (blocks with up/down)."""
+
+    def __init__(self, blocks: int, width: int = 512) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_WideBlock(width) for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _WideBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _replicas_equal(param: Any, gathered: list[torch.Tensor]) -> bool:
+    """Ranks that hold the same shard (same coordinates on every sharded mesh dimension) hold equal values."""
+    mesh = param.device_mesh
+    coordinates = {}
+    for rank in range(dist.get_world_size()):
+        coordinate = tuple(int(c) for c in (mesh.mesh == rank).nonzero()[0])
+        key = tuple(c for c, pl in zip(coordinate, param.placements) if not pl.is_replicate())
+        coordinates.setdefault(key, []).append(rank)
+    return all(torch.equal(gathered[group[0]], gathered[r]) for group in coordinates.values() for r in group)
+
+
+def collectives_check(strategy: Any) -> dict[str, Any]:
+    fabric = new_fabric(strategy)
+    rank = fabric.global_rank
+    return {
+        "sum": float(fabric.all_reduce(torch.tensor(float(rank)), reduce_op="sum")),
+        "gathered": fabric.all_gather(torch.tensor([rank])).flatten().tolist(),
+        "broadcast": fabric.broadcast({"from": rank}, src=0),
+        "any_stop": fabric.strategy.reduce_boolean_decision(rank == 1, all=False),
+    }
+
+
+def main() -> None:
+    outdir = Path(sys.argv[1])
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    results: dict[str, Any] = {}
+    # memory first: the peak of a process only shows the first big model (at 4 ranks, the tensor-parallel one)
+    if world == 4:
+        results["tp_empty_init"] = memory_check(
+            ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2), blocks=4, empty_init=True
+        )
+    results["empty_init"] = memory_check(FSDPStrategy(), blocks=4, empty_init=True)
+    results["fsdp"] = training_check(FSDPStrategy())
+    results["collectives"] = collectives_check(FSDPStrategy())
+    if world == 2:
+        wrap = {"auto_wrap_policy": {Block}, "activation_checkpointing_policy": {Block}}
+        results["shard_grad_op_joint"] = training_check(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", **wrap), joint_setup=True)
+        results["no_shard"] = training_check(FSDPStrategy(sharding_strategy="NO_SHARD"), steps=3)
+        results["accumulate"] = training_check(FSDPStrategy(auto_wrap_policy={Block}), accumulate=2, clip=False, steps=3)
+    if world == 4:
+        results["hybrid"] = training_check(FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2)), steps=3)
+        tp = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2)
+        results["tp"] = training_check(tp)
+        results["tp_mesh"] = {"shape": tuple(tp.device_mesh.shape), "names": tp.device_mesh.mesh_dim_names}
+        results["tp_accumulate"] = training_check(
+            ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2), accumulate=2, clip=False, steps=3
+        )
+    torch.save(results, outdir / f"rank{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    main()
