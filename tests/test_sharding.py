@@ -142,12 +142,12 @@ def test_clip_norm_refuses_nonfinite_gradients():
 # ---- real jobs -------------------------------------------------------------------------------------------
 
 
-def torchrun_job(processes: int, tmp_path_factory: Any) -> dict[int, dict[str, Any]]:
-    """Run ``train_job.py`` under torchrun once per session; every rank's results."""
+def torchrun_job(processes: int, tmp_path_factory: Any, *extra: str) -> dict[int, dict[str, Any]]:
+    """Run ``train_job.py`` under torchrun once per session; every rank's results (and ``"outdir"``)."""
     if processes not in _jobs:
         outdir = tmp_path_factory.mktemp(f"sharding_{processes}")
         try:
-            _jobs[processes] = _run_torchrun(processes, outdir)
+            _jobs[processes] = _run_torchrun(processes, outdir, extra)
         except BaseException as err:  # every test of this job reports the failure; none re-runs it
             _jobs[processes] = err
     if isinstance(_jobs[processes], BaseException):
@@ -155,16 +155,22 @@ def torchrun_job(processes: int, tmp_path_factory: Any) -> dict[int, dict[str, A
     return _jobs[processes]
 
 
-def _run_torchrun(processes: int, outdir: Path) -> dict[int, dict[str, Any]]:
+def _run_torchrun(processes: int, outdir: Path, extra: tuple[str, ...]) -> dict[Any, Any]:
     env = job_environment()
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-        f"--master-port={env['MASTER_PORT']}", str(SCRIPTS / "train_job.py"), str(outdir),
+        f"--master-port={env['MASTER_PORT']}", str(SCRIPTS / "train_job.py"), str(outdir), *extra,
     ]  # fmt: skip
     result = subprocess.run(command, env=env, cwd=outdir, capture_output=True, text=True, timeout=420)
     if result.returncode != 0:
         raise JobFailed(f"torchrun job failed with {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}")
-    return {r: torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(processes)}
+    results: dict[Any, Any] = {r: torch.load(outdir / f"rank{r}.pt", weights_only=True) for r in range(processes)}
+    results["outdir"] = outdir
+    return results
+
+
+def _ranks(job: dict[Any, Any]) -> list[tuple[int, dict[str, Any]]]:
+    return [(rank, results) for rank, results in job.items() if isinstance(rank, int)]
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +179,9 @@ def job2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def job4(tmp_path_factory):
-    return torchrun_job(4, tmp_path_factory)
+def job4(job2, tmp_path_factory):
+    """The 4-rank job also loads the checkpoints the 2-rank job wrote (resharding 2 -> 4)."""
+    return torchrun_job(4, tmp_path_factory, str(job2["outdir"] / "checkpoints"))
 
 
 @pytest.mark.timeout(480)
@@ -182,7 +189,7 @@ def job4(tmp_path_factory):
 def test_fsdp_training_equals_one_process_at_2(job2, check):
     """FULL_SHARD; SHARD_GRAD_OP with auto-wrap, activation checkpointing and setup(model, optimizer);
     NO_SHARD; no_backward_sync accumulation over two micro-batches vs the big batch."""
-    for rank, results in job2.items():
+    for rank, results in _ranks(job2):
         assert results[check]["max_diff"] <= TOLERANCE, (rank, results[check])
         if "norm_diff" in results[check]:
             assert results[check]["norm_diff"] <= TOLERANCE, (rank, results[check])
@@ -196,13 +203,13 @@ def test_fsdp_shards_parameters_at_2(job2):
 
 @pytest.mark.timeout(480)
 def test_collectives_under_fsdp(job2):
-    for rank, results in job2.items():
+    for rank, results in _ranks(job2):
         assert results["collectives"] == {"sum": 1.0, "gathered": [0, 1], "broadcast": {"from": 0}, "any_stop": True}
 
 
 @pytest.mark.timeout(480)
 def test_empty_init_never_allocates_the_full_model(job2):
-    for rank, results in job2.items():
+    for rank, results in _ranks(job2):
         measured = results["empty_init"]
         assert measured["on_meta"] and measured["finite"] and measured["replicas_agree"]
         assert measured["local_bytes"] <= measured["full_bytes"] / 2 * 1.01
@@ -214,7 +221,7 @@ def test_empty_init_never_allocates_the_full_model(job2):
 @pytest.mark.parametrize("check", ["fsdp", "hybrid", "tp", "tp_accumulate"])
 def test_training_equals_one_process_at_4(job4, check):
     """FSDP and HYBRID_SHARD (2 x 2) over 4 ranks; tensor parallel 2 x data parallel 2 (also accumulating)."""
-    for rank, results in job4.items():
+    for rank, results in _ranks(job4):
         assert results[check]["max_diff"] <= TOLERANCE, (rank, results[check])
         if "norm_diff" in results[check]:
             assert results[check]["norm_diff"] <= TOLERANCE, (rank, results[check])
@@ -222,10 +229,32 @@ def test_training_equals_one_process_at_4(job4, check):
 
 @pytest.mark.timeout(480)
 def test_tensor_parallel_mesh_and_empty_init_at_4(job4):
-    for rank, results in job4.items():
+    for rank, results in _ranks(job4):
         assert results["tp_mesh"] == {"shape": (2, 2), "names": ("data_parallel", "tensor_parallel")}
         measured = results["tp_empty_init"]
         assert measured["on_meta"] and measured["finite"] and measured["replicas_agree"], measured
         assert measured["local_bytes"] <= measured["full_bytes"] / 4 * 1.05
         assert measured["peak_growth"] < 0.5 * measured["full_bytes"], measured  # measured first in the job
         assert results["empty_init"]["local_bytes"] <= results["empty_init"]["full_bytes"] / 4 * 1.01
+
+
+@pytest.mark.timeout(480)
+def test_sharded_and_full_checkpoints_resume_exactly_at_2(job2):
+    """A folder of shards (one file per rank plus metadata) and a full file that torch.load reads; each
+    loaded into fresh sharded objects gives the saved weights and, after 2 more steps, the same weights
+    as an uninterrupted run (so the optimizer state came back too)."""
+    for rank, results in _ranks(job2):
+        saved = results["checkpoint"]
+        assert saved["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric_state.pt"]
+        for name in ("sharded", "full.pt"):
+            assert saved[name]["loaded_diff"] <= TOLERANCE and saved[name]["resumed_diff"] <= TOLERANCE, (rank, name, saved[name])
+            assert saved[name]["remainder"] == {"step": 3}
+    assert job2[0]["checkpoint"]["full_file_diff"] <= TOLERANCE and job2[0]["checkpoint"]["full_file_step"] == 3
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("check", ["reshard_fsdp", "reshard_tp", "full_to_tp"])
+def test_checkpoints_of_2_ranks_load_into_4(job4, check):
+    """Shards written by 2 FSDP ranks into 4 FSDP ranks and into tensor parallel 2 x 2; the full file too."""
+    for rank, results in _ranks(job4):
+        assert results[check]["loaded_diff"] <= TOLERANCE and results[check]["resumed_diff"] <= TOLERANCE, (rank, results[check])

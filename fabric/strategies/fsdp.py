@@ -85,6 +85,7 @@ class FSDPStrategy(ShardedStrategy):
         self.cpu_offload = _check_cpu_offload(cpu_offload)
         self.mixed_precision = mixed_precision
         self._state_dict_type = state_dict_type
+        self._full_checkpoints = state_dict_type == "full"
         self._mesh_request = _check_mesh_request(device_mesh, self.sharding_strategy)
         self._fully_shard_kwargs = kwargs
 

@@ -59,6 +59,7 @@ class ModelParallelStrategy(ShardedStrategy):
         self._data_parallel_size = data_parallel_size
         self._tensor_parallel_size = tensor_parallel_size
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._full_checkpoints = not save_distributed_checkpoint
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from abc import abstractmethod
 from collections.abc import Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.strategies.ddp import ProcessGroupStrategy
-from fabric.strategies.strategy import BackwardSyncControl, _entered_together
+from fabric.strategies.strategy import (
+    BackwardSyncControl,
+    _entered_together,
+    check_optimizer_state_fits,
+    check_state_dict_fits,
+)
 
 
 class ShardedStrategy(ProcessGroupStrategy):
@@ -42,6 +48,8 @@ class ShardedStrategy(ProcessGroupStrategy):
         self._backward_sync_control = _ShardedBackwardSyncControl()
         # parameters that sharding replaced: an optimizer still holding one was created too early
         self._replaced_parameters: weakref.WeakSet[Tensor] = weakref.WeakSet()
+        self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()  # to find an optimizer's module
+        self._full_checkpoints = False  # True: one file from rank 0 instead of a folder of shards
 
     @property
     def device_mesh(self) -> Any:
@@ -89,6 +97,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         move_plain_tensors(module, self.root_device)
         after = {id(p) for p in module.parameters()}
         self._replaced_parameters.update(p for p in before if id(p) not in after)
+        self._sharded_modules.add(module)
         return module
 
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer]) -> tuple[Module, list[Optimizer]]:
@@ -125,6 +134,100 @@ class ShardedStrategy(ProcessGroupStrategy):
         self.precision.unscale_gradients(optimizer)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         return clip_grad_norm_over_shards(parameters, max_norm, norm_type, error_if_nonfinite)
+
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """Sharded (DTensors), or with full checkpoints whole tensors on rank 0 only (gathered one at a time)."""
+        return _module_state(module, full=self._full_checkpoints)
+
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        check_state_dict_fits(module, state_dict, strict=strict)
+        full = not any(isinstance(value, DTensor) for value in state_dict.values())
+        set_model_state_dict(module, state_dict, options=_state_dict_options(full, strict=strict))
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Keyed by parameter name (not position), so it loads into any sharding of the same model."""
+        return _optimizer_state(self._module_of(optimizer), optimizer, full=self._full_checkpoints)
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        check_optimizer_state_fits(optimizer, state_dict)
+        full = not any(isinstance(v, DTensor) for values in state_dict.get("state", {}).values() for v in values.values())
+        set_optimizer_state_dict(self._module_of(optimizer), optimizer, state_dict, options=_state_dict_options(full))
+
+    def _module_of(self, optimizer: Optimizer) -> Module:
+        params = {p for group in optimizer.param_groups for p in group["params"]}
+        for module in self._sharded_modules:
+            if any(p in params for p in module.parameters()):
+                return module
+        raise ValueError(
+            f"The parameters of {type(optimizer).__name__} belong to no module set up by {type(self).__name__};"
+            " create the optimizer from the parameters of the module that setup_module() returned"
+        )
+
+    def save_checkpoint(
+        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None, filter: dict[str, Callable[[str, Any], bool]] | None = None
+    ) -> None:
+        """A folder in which every rank writes its shards (or, with full checkpoints, one file from rank 0)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint got storage_options={storage_options!r}; it accepts none")
+        if self._full_checkpoints:
+            super().save_checkpoint(path, state, filter=filter)
+            return
+        from fabric.strategies.sharded_checkpoint import write_sharded
+
+        converted = self._convert_stateful_objects(state, filter)
+        sharded = {key: value for key, value in converted.items() if isinstance(state[key], (Module, Optimizer))}
+        write_sharded(path, sharded, {key: value for key, value in converted.items() if key not in sharded})
+
+    def load_checkpoint(
+        self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a folder of shards (written by any number of ranks) or a single full file into the sharded objects."""
+        from fabric.strategies.sharded_checkpoint import checkpoint_keys, is_sharded_checkpoint, read_sharded
+
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"{str(path)!r} is a folder of shards; they load into the live objects: pass a dict of them, e.g."
+                " fabric.load(path, {'model': model, 'optimizer': optimizer}), not"
+                f" {'nothing' if state is None else type(state).__name__}"
+            )
+        saved = checkpoint_keys(path)
+        targets: dict[str, Any] = {}
+        for key, obj in state.items():
+            if key in saved and isinstance(obj, Module):
+                targets[key] = _module_state(obj, full=False)
+            elif key in saved and isinstance(obj, Optimizer):
+                targets[key] = _optimizer_state(self._module_of(obj), obj, full=False)
+        checkpoint = read_sharded(path, targets, strict=strict, weights_only=weights_only)
+        checkpoint.update(targets)
+        return self._restore_from_checkpoint(path, checkpoint, state, strict)
+
+
+
+def _module_state(module: Module, full: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_state_dict_options(full))
+
+
+def _optimizer_state(module: Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_state_dict_options(full))
+
+
+def _state_dict_options(full: bool, strict: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=full, strict=strict)
 
 
 class _ShardedBackwardSyncControl(BackwardSyncControl):

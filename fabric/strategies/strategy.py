@@ -249,6 +249,12 @@ class Strategy(ABC):
         Everything is checked before anything is changed, so a mismatch leaves every object as it was.
         """
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        return self._restore_from_checkpoint(path, checkpoint, state, strict)
+
+    def _restore_from_checkpoint(
+        self, path: str | Path, checkpoint: Any, state: Module | Optimizer | dict[str, Any] | None, strict: bool
+    ) -> dict[str, Any]:
+        """The part of :meth:`load_checkpoint` after reading: check every entry, then load them into ``state``."""
         if state is None:
             return checkpoint
         if isinstance(state, Module):

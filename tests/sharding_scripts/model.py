@@ -10,6 +10,7 @@ from torch import nn
 
 IN, DIM, HIDDEN, OUT = 8, 16, 32, 4
 GLOBAL_BATCH = 8
+MAX_STEPS = 16
 
 
 class Block(nn.Module):
@@ -43,8 +44,10 @@ def make_net(seed: int = 0, blocks: int = 2) -> Net:
 
 
 def data(steps: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``steps`` global batches of one fixed sequence (a longer run starts with the same batches)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(steps, GLOBAL_BATCH, IN, generator=generator), torch.randn(steps, GLOBAL_BATCH, OUT, generator=generator)
+    xs, ys = torch.randn(MAX_STEPS, GLOBAL_BATCH, IN, generator=generator), torch.randn(MAX_STEPS, GLOBAL_BATCH, OUT, generator=generator)
+    return xs[:steps], ys[:steps]
 
 
 def parallelize(module: Net, mesh: Any) -> Net:

@@ -38,10 +38,10 @@ def local_batch(fabric: Fabric, x: torch.Tensor) -> torch.Tensor:
     return x[kwargs["rank"] * per_rank : (kwargs["rank"] + 1) * per_rank]
 
 
-def train(fabric: Fabric, model: Any, optimizer: Any, steps: int, clip: bool, accumulate: int = 1) -> list[float]:
-    xs, ys = data(steps)
+def train(fabric: Fabric, model: Any, optimizer: Any, steps: int, clip: bool, accumulate: int = 1, start: int = 0) -> list[float]:
+    xs, ys = data(start + steps)
     norms = []
-    for x, y in zip(xs, ys):
+    for x, y in zip(xs[start:], ys[start:]):
         x, y = local_batch(fabric, x), local_batch(fabric, y)
         chunks = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
         for i, (xc, yc) in enumerate(chunks):
@@ -158,6 +158,41 @@ def collectives_check(strategy: Any) -> dict[str, Any]:
     }
 
 
+def set_up(strategy: Any, seed: int = 0) -> tuple[Fabric, Any, Any]:
+    fabric = new_fabric(strategy)
+    model = fabric.setup_module(make_net(seed))
+    return fabric, model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+
+
+def checkpoint_save_check(folder: Path) -> dict[str, Any]:
+    """Save after 3 steps, sharded (a folder) and full (one file); resume each into fresh sharded objects."""
+    after3, _ = reference_run(3, None)
+    after5, _ = reference_run(5, None)
+    results: dict[str, Any] = {}
+    fabric, model, optimizer = set_up(FSDPStrategy())
+    train(fabric, model, optimizer, 3, clip=False)
+    fabric.save(folder / "sharded", {"model": model, "optimizer": optimizer, "step": 3})
+    full_fabric, full_model, full_optimizer = set_up(FSDPStrategy(state_dict_type="full"))
+    train(full_fabric, full_model, full_optimizer, 3, clip=False)
+    full_fabric.save(folder / "full.pt", {"model": full_model, "optimizer": full_optimizer, "step": 3})
+    if dist.get_rank() == 0:
+        raw = torch.load(folder / "full.pt", weights_only=True)
+        results["full_file_diff"] = max_difference(raw["model"], after3)
+        results["full_file_step"] = raw["step"]
+    results["files"] = sorted(p.name for p in (folder / "sharded").iterdir())
+    for name in ("sharded", "full.pt"):
+        results[name] = resume_check(FSDPStrategy(), folder / name, after3, after5)
+    return results
+
+
+def resume_check(strategy: Any, path: Path, after3: dict[str, torch.Tensor], after5: dict[str, torch.Tensor]) -> dict[str, Any]:
+    fabric, model, optimizer = set_up(strategy, seed=123)  # other weights: the load must replace them all
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    loaded = max_difference(full_parameters(model.module), after3)
+    train(fabric, model, optimizer, 2, clip=False, start=3)
+    return {"loaded_diff": loaded, "resumed_diff": max_difference(full_parameters(model.module), after5), "remainder": remainder}
+
+
 def main() -> None:
     outdir = Path(sys.argv[1])
     world = int(__import__("os").environ["WORLD_SIZE"])
@@ -175,6 +210,7 @@ def main() -> None:
         results["shard_grad_op_joint"] = training_check(FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", **wrap), joint_setup=True)
         results["no_shard"] = training_check(FSDPStrategy(sharding_strategy="NO_SHARD"), steps=3)
         results["accumulate"] = training_check(FSDPStrategy(auto_wrap_policy={Block}), accumulate=2, clip=False, steps=3)
+        results["checkpoint"] = checkpoint_save_check(outdir / "checkpoints")
     if world == 4:
         results["hybrid"] = training_check(FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2)), steps=3)
         tp = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2)
@@ -183,6 +219,15 @@ def main() -> None:
         results["tp_accumulate"] = training_check(
             ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2), accumulate=2, clip=False, steps=3
         )
+        if len(sys.argv) > 2:  # the folder of shards and the full file that the 2-rank job wrote
+            after3, _ = reference_run(3, None)
+            after5, _ = reference_run(5, None)
+            saved = Path(sys.argv[2])
+            results["reshard_fsdp"] = resume_check(FSDPStrategy(), saved / "sharded", after3, after5)
+            tp = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2)
+            results["reshard_tp"] = resume_check(tp, saved / "sharded", after3, after5)
+            tp = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2)
+            results["full_to_tp"] = resume_check(tp, saved / "full.pt", after3, after5)
     torch.save(results, outdir / f"rank{dist.get_rank()}.pt")
 
 
