@@ -111,6 +111,8 @@ def test_cuda_placement_logic_without_a_gpu():
     strategy._device_mesh = "mesh"
     assert isinstance(strategy._fully_shard_arguments()["offload_policy"], CPUOffloadPolicy)
     assert strategy._fully_shard_arguments()["reshard_after_forward"] is True
+    assert strategy._materialization_device() == torch.device("cpu")  # fully_shard wants offloaded shards there
+    assert FSDPStrategy(parallel_devices=[torch.device("cuda", 0)])._materialization_device() == torch.device("cuda", 0)
     on_cpu = FSDPStrategy(cpu_offload=True, sharding_strategy="SHARD_GRAD_OP", parallel_devices=[torch.device("cpu")] * 2)
     on_cpu._device_mesh = "mesh"
     assert "offload_policy" not in on_cpu._fully_shard_arguments()

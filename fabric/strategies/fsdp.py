@@ -125,6 +125,13 @@ class FSDPStrategy(ShardedStrategy):
         fully_shard(module, **kwargs)
         return module
 
+    def _offloads(self) -> bool:
+        return self.cpu_offload is not None and self.root_device.type != "cpu"
+
+    def _materialization_device(self) -> torch.device:
+        """With CPU offload the shards live in CPU memory (fully_shard insists), else on this rank's device."""
+        return torch.device("cpu") if self._offloads() else self.root_device
+
     def _fully_shard_arguments(self) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -132,7 +139,7 @@ class FSDPStrategy(ShardedStrategy):
         policy = self.mixed_precision if self.mixed_precision is not None else mixed_precision_policy(self.precision)
         if policy is not None:
             kwargs["mp_policy"] = policy
-        if self.cpu_offload is not None and self.root_device.type != "cpu":
+        if self._offloads():
             kwargs["offload_policy"] = self.cpu_offload if isinstance(self.cpu_offload, CPUOffloadPolicy) else CPUOffloadPolicy()
         kwargs.update(self._fully_shard_kwargs)
         return kwargs

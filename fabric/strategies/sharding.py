@@ -93,7 +93,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         before = list(module.parameters())
         module = self._shard(module)
         if on_meta:
-            materialize_module(module, self.root_device)
+            materialize_module(module, self._materialization_device())
         move_plain_tensors(module, self.root_device)
         after = {id(p) for p in module.parameters()}
         self._replaced_parameters.update(p for p in before if id(p) not in after)
@@ -135,6 +135,10 @@ class ShardedStrategy(ProcessGroupStrategy):
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         return clip_grad_norm_over_shards(parameters, max_norm, norm_type, error_if_nonfinite)
 
+
+    def _materialization_device(self) -> torch.device:
+        """Where the shards of a meta-device module are allocated."""
+        return self.root_device
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
