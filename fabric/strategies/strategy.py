@@ -18,6 +18,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
+from fabric.plugins.io.atomic_folder import is_sharded_checkpoint
+from fabric.plugins.io.state_layout import check_entries_present, filtered
 from fabric.plugins.precision import Precision
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.init import EmptyInit
@@ -248,6 +250,10 @@ class Strategy(ABC):
 
         Everything is checked before anything is changed, so a mismatch leaves every object as it was.
         """
+        if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
+            from fabric.plugins.io.sharded import load_sharded
+
+            return load_sharded(path, state, strict=strict, weights_only=weights_only)  # type: ignore[arg-type]
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         return self._restore_from_checkpoint(path, checkpoint, state, strict)
 
@@ -265,12 +271,7 @@ class Strategy(ABC):
             return {}
         if not isinstance(checkpoint, dict):
             raise TypeError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-        missing = [key for key in state if key not in checkpoint]
-        if missing and strict:
-            raise KeyError(
-                f"Checkpoint {str(path)!r} has no entry for {missing} (it holds {sorted(checkpoint)});"
-                " pass strict=False to load the entries it has"
-            )
+        check_entries_present(path, state, checkpoint, strict)
         present = {key: obj for key, obj in state.items() if key in checkpoint}
         for key, obj in present.items():
             if isinstance(obj, Module):
@@ -314,12 +315,7 @@ class Strategy(ABC):
                 value = obj.state_dict()
             else:
                 value = obj
-            if filter is not None and key in filter:
-                if not isinstance(value, dict):
-                    raise TypeError(f"filter[{key!r}] applies to dicts, but state[{key!r}] is a {type(value).__name__}")
-                keep = filter[key]
-                value = {name: item for name, item in value.items() if keep(name, item)}
-            converted[key] = value
+            converted[key] = filtered(key, value, filter)
         return converted
 
 

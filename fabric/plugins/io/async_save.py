@@ -1,0 +1,107 @@
+"""Asynchronous saves: the training loop waits only while the state is copied to CPU memory.
+
+The caller stages a CPU copy and hands a write function to :func:`start_background_save`, which
+runs it in a thread. At most one save is pending per process: the next save or load, the strategy's
+teardown and the end of the program wait for it first. A failure in the background is printed at
+once, raised by the next save/load/teardown, and, if the program ends first, reported at exit with
+exit status 1: it is never lost. The atomic publication is the write function's own (the same as a
+synchronous save), so a crash during a background write leaves the previous checkpoint whole.
+
+Background collectives use a dedicated gloo group, so they never interleave with the training
+loop's collectives on the default group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_pending: _BackgroundSave | None = None
+_failure: BaseException | None = None  # of a finished background save, not yet reported
+_group: Any = None
+_exit_hook_registered = False
+
+
+class SaveHandle:
+    """A save that may still be running: ``wait()`` returns when it is published, raising its error if any."""
+
+    def wait(self) -> None:
+        pass
+
+    def done(self) -> bool:
+        return True
+
+
+def finished() -> SaveHandle:
+    return SaveHandle()
+
+
+class _BackgroundSave(SaveHandle):
+    def __init__(self, write: Callable[[], None], description: str) -> None:
+        self._write = write
+        self._description = description
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fabric-async-save", daemon=False)
+        self._thread.start()
+
+    def _run(self) -> None:
+        global _failure
+        try:
+            self._write()
+        except BaseException as err:  # kept for the next save/exit; also shown now
+            self._error = _failure = err
+            print(f"[fabric] background save of {self._description} failed: {err}", file=sys.stderr, flush=True)
+
+    def wait(self) -> None:
+        self._thread.join()
+        global _failure
+        if self._error is not None and _failure is self._error:
+            _failure = None
+            raise RuntimeError(f"The background save of {self._description} failed") from self._error
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def background_group() -> Any:
+    """The process group background saves talk over (created once, by every rank: a collective), or None."""
+    global _group
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _group is None:
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def start_background_save(write: Callable[[], None], description: str) -> SaveHandle:
+    """Run ``write`` in a background thread as the one pending save of this process."""
+    global _pending, _exit_hook_registered
+    wait_for_pending_save()
+    if not _exit_hook_registered:
+        atexit.register(_wait_at_exit)
+        _exit_hook_registered = True
+    _pending = _BackgroundSave(write, description)
+    return _pending
+
+
+def wait_for_pending_save() -> None:
+    """Block until this process's pending background save is published; raise its error if it failed."""
+    global _pending
+    handle, _pending = _pending, None
+    if handle is not None:
+        handle.wait()
+
+
+def _wait_at_exit() -> None:
+    try:
+        wait_for_pending_save()
+    except RuntimeError as err:
+        print(f"[fabric] {err}: {err.__cause__}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)

@@ -1,0 +1,300 @@
+"""Sharded checkpoints: a folder in which every rank writes its own shards, readable by any layout.
+
+The folder holds ``torch.distributed.checkpoint`` data files and index (tensors only) plus
+``fabric-objects.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
+entries that are neither modules nor optimizers, and where each tensor belongs (see
+``state_layout``). It is written into a temporary folder and published whole (``atomic_folder``).
+Loading reshards to whatever layout the target objects have: 2 -> 4 processes, sharded -> a plain
+module in one process, and back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fabric.plugins.io import atomic_folder, state_layout
+from fabric.plugins.io.async_save import (
+    SaveHandle,
+    background_group,
+    finished,
+    start_background_save,
+    wait_for_pending_save,
+)
+from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
+from fabric.plugins.io.single_file import CheckpointLoadError, atomic_save, safe_load
+from fabric.plugins.io.state_layout import MODULE, OPTIMIZER, OTHER
+
+OBJECTS_FILE = "fabric-objects.pt"
+FORMAT = "fabric-sharded-checkpoint"
+VERSION = 1
+
+
+def save_sharded(
+    path: str | Path,
+    state: dict[str, Any],
+    *,
+    filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    async_save: bool = False,
+) -> SaveHandle:
+    """Write ``state`` to the folder ``path``: every rank its own shards, in parallel; a collective.
+
+    ``state`` maps names to modules (plain, DDP or ``fully_shard``-ed), optimizers (saved with the
+    module in ``state`` that holds their parameters), objects with ``state_dict``/``load_state_dict``,
+    and plain values. With ``async_save`` the call returns once the tensors are copied to CPU memory;
+    the write and the publication go on in the background (see ``async_save``). Returns a handle
+    whose ``wait()`` returns when the checkpoint is published on every rank (raising its error if any).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    wait_for_pending_save()
+    entries = state_layout.state_dicts(state, StateDictOptions(), filter)
+    kinds = {key: state_layout.kind_of(obj) for key, obj in state.items()}
+    skeleton, tensors, paths = state_layout.split_tensors(entries, kinds)
+    objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
+    token = _agree_on_token(path, group=None)
+    if async_save:
+        staged = {flat: state_layout.plain_copy(tensor) for flat, tensor in tensors.items()}
+        group = background_group()
+        return start_background_save(lambda: _write(path, token, staged, objects, group), repr(str(path)))
+    _write(path, token, tensors, objects, group=None)
+    return finished()
+
+
+def _agree_on_token(path: str | Path, group: Any) -> str:
+    """Rank 0 cleans up after crashed saves and names the temporary folder; every rank gets the name."""
+    token, error = None, None
+    if _rank(group) == 0:
+        try:
+            atomic_folder.prepare_target(path)
+            token = atomic_folder.new_token()
+        except OSError as err:
+            error = f"{type(err).__name__}: {err}"
+    token, error = _broadcast((token, error), group)
+    if error is not None:  # every rank raises, none is left waiting for the others
+        raise OSError(f"Cannot save the sharded checkpoint {str(path)!r}: {error}")
+    return token
+
+
+def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
+    """Every rank writes its shards; rank 0 adds the objects file and publishes; all learn the outcome."""
+    import torch.distributed.checkpoint as dcp
+
+    temp = atomic_folder.temp_folder_for(path, token)
+    error: str | None = None
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                tensors,
+                storage_writer=dcp.FileSystemWriter(temp, sync_files=True),
+                process_group=group,
+                no_dist=not _distributed(),
+            )
+    except Exception as err:  # torch gathers every rank's failure; each rank raises the same
+        error = f"writing the shards failed: {type(err).__name__}: {err}"
+    if _rank(group) == 0 and error is None:
+        try:
+            atomic_save(objects, temp / OBJECTS_FILE)
+            atomic_folder.commit_folder(temp, path, token)
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+    error = _broadcast(error, group)
+    if error is not None:
+        if _rank(group) == 0:
+            atomic_folder.remove_quietly(temp)
+        raise RuntimeError(f"Saving the sharded checkpoint {str(path)!r} failed; the previous one is kept. {error}")
+
+
+def load_sharded(
+    path: str | Path,
+    state: dict[str, Any] | None = None,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Restore ``state`` in place from a sharded folder or a full checkpoint file; return what was not asked for.
+
+    Works for any number of processes and any layout of the target objects. Everything is checked
+    before anything changes. Without ``state`` the whole checkpoint is returned with full tensors.
+    """
+    wait_for_pending_save()
+    if Path(path).is_file():
+        from fabric.plugins.io.full_state import load_full
+
+        return load_full(path, state, strict=strict, weights_only=weights_only)
+    folder = atomic_folder.resolve_for_load(path)
+    objects = read_objects(folder, weights_only)
+    index = read_index(folder)
+    if state is None:
+        return read_full(folder, objects, index, keys=list(objects["skeleton"]))
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"Loading the sharded checkpoint {str(path)!r} needs a dict of states such as"
+            f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
+        )
+    skeleton, kinds, paths = objects["skeleton"], objects["kinds"], objects["tensors"]
+    state_layout.check_entries_present(path, state, skeleton, strict)
+    present = {key: obj for key, obj in state.items() if key in skeleton}
+    targets = _check_and_prepare(present, state, kinds, skeleton, paths, index, strict)
+    destinations = {
+        flat: targets[path[0]][1][flat] for flat, path in paths.items() if path[0] in targets and flat in targets[path[0]][1]
+    }
+    _read_tensors(folder, destinations)
+    for key, obj in present.items():
+        if key in targets:
+            _apply(obj, state, key, state_layout.fill(skeleton[key], destinations, paths, key), strict)
+        elif state_layout.is_stateful(obj):
+            obj.load_state_dict(skeleton[key])
+        else:
+            state[key] = skeleton[key]
+    rest = [key for key in skeleton if key not in present]
+    return read_full(folder, objects, index, keys=rest)
+
+
+def _check_and_prepare(
+    present: dict[str, Any],
+    state: dict[str, Any],
+    kinds: dict[str, str],
+    skeleton: dict[str, Any],
+    paths: dict[str, Any],
+    index: Any,
+    strict: bool,
+) -> dict[str, tuple[dict[str, Any], dict[str, Tensor]]]:
+    """Per module/optimizer entry: (its current state dict, flat key -> tensor to load into); raises on misfit."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    targets = {}
+    for key, obj in present.items():
+        kind, saved_kind = state_layout.kind_of(obj), kinds.get(key, OTHER)
+        if kind != saved_kind:
+            raise TypeError(f"state[{key!r}] is a {kind} here but the checkpoint holds a {saved_kind} under that key")
+        if kind == OTHER:
+            check = getattr(obj, "check_state_dict", None)
+            if state_layout.is_stateful(obj) and callable(check):
+                try:
+                    check(skeleton[key])
+                except ValueError as err:
+                    raise ValueError(f"state[{key!r}]: {err}") from None
+            continue
+        current = state_layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
+        own = {flat: path for flat, path in paths.items() if path[0] == key}
+        if kind == MODULE:
+            saved_shapes: dict[str, Any] = {name: None for name in skeleton[key]}
+            for flat, path in own.items():
+                saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
+            state_layout.check_module_fits(key, current, saved_shapes, strict)
+        else:
+            state_layout.check_optimizer_fits(key, skeleton[key], current)
+        _, current_tensors, current_paths = state_layout.split_tensors({key: current}, {key: kind})
+        by_path = {path: flat for flat, path in current_paths.items()}
+        into = {}
+        for flat, path in own.items():
+            if path in by_path:
+                target = current_tensors[by_path[path]]
+                saved = index.state_dict_metadata[flat]
+                if tuple(saved.size) != tuple(target.shape):
+                    raise RuntimeError(
+                        f"state[{key!r}]: {'/'.join(map(str, path[1:]))!r} has shape {tuple(saved.size)} in the"
+                        f" checkpoint but {tuple(target.shape)} here"
+                    )
+                into[flat] = target
+        targets[key] = (current, into)
+    return targets
+
+
+def _apply(obj: Any, state: dict[str, Any], key: str, value: Any, strict: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if state_layout.kind_of(obj) == MODULE:
+        set_model_state_dict(obj, value, options=StateDictOptions(strict=strict))
+    else:
+        set_optimizer_state_dict(state_layout.owner_of(obj, state, key), obj, value, options=StateDictOptions())
+
+
+def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False) -> None:
+    """Fill ``destinations`` (flat key -> tensor or DTensor of any layout) from the folder's shards."""
+    import torch.distributed.checkpoint as dcp
+
+    if not destinations:
+        return
+    with _quiet_single_process():
+        dcp.load(destinations, storage_reader=SafeFileSystemReader(folder), no_dist=full or not _distributed())
+
+
+def read_objects(folder: Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """The folder's objects file, loaded safely, after checking that it is one of ours."""
+    objects_path = folder / OBJECTS_FILE
+    if not objects_path.is_file():
+        raise CheckpointLoadError(
+            f"{str(folder)!r} is not a checkpoint folder written by fabric: it has no {OBJECTS_FILE}"
+        )
+    objects = safe_load(objects_path, weights_only=weights_only)
+    if not isinstance(objects, dict) or objects.get("format") != FORMAT:
+        raise CheckpointLoadError(f"{str(objects_path)!r} is not a fabric checkpoint objects file")
+    if objects.get("version") != VERSION:
+        raise CheckpointLoadError(
+            f"{str(folder)!r} has checkpoint format version {objects.get('version')!r}; this fabric reads {VERSION}"
+        )
+    return objects
+
+
+def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str]) -> dict[str, Any]:
+    """The entries ``keys`` with full tensors, as ``state_dict_type="full"`` would have written them.
+
+    Every tensor is read whole into this process (no process group needed); optimizer states come
+    back in ``Optimizer.state_dict()``'s numbered form.
+    """
+    skeleton, kinds, paths = objects["skeleton"], objects["kinds"], objects["tensors"]
+    wanted = {flat: path for flat, path in paths.items() if path[0] in keys}
+    destinations = {}
+    for flat in wanted:
+        saved = index.state_dict_metadata[flat]
+        destinations[flat] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    _read_tensors(folder, destinations, full=True)
+    result = {}
+    for key in keys:
+        value = state_layout.fill(skeleton[key], destinations, wanted, key) if kinds[key] != OTHER else skeleton[key]
+        result[key] = state_layout.optimizer_numbered(value) if kinds[key] == OPTIMIZER else value
+    return result
+
+
+# ---- the few collectives this needs (no-ops without a process group) --------------------------------
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """torch warns that it "assumes" one process even when told so (``no_dist=True``): that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if _distributed() else 0
+
+
+def _broadcast(obj: Any, group: Any) -> Any:
+    import torch.distributed as dist
+
+    if not _distributed() or dist.get_world_size(group) == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, group=group, group_src=0)
+    return holder[0]

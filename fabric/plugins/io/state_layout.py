@@ -1,0 +1,254 @@
+"""How a checkpoint's state dict is laid out, independent of how many processes wrote it.
+
+Modules and optimizers are read and written through ``torch.distributed.checkpoint.state_dict``,
+which names every tensor by its fully-qualified parameter name (no ``module.`` prefix from DDP,
+sharded tensors as DTensors under ``fully_shard``), so the same names fit any parallel layout.
+A sharded checkpoint stores each tensor under a flat key (``"model/layer.weight"``,
+``"optimizer/state/layer.weight/exp_avg"``) and the rest of the structure as a *skeleton*: the
+nested state with tensors replaced by ``None``, plus each flat key's path into it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+MODULE = "module"
+OPTIMIZER = "optimizer"
+OTHER = "other"
+
+Path_ = tuple[Any, ...]
+
+
+def kind_of(obj: Any) -> str:
+    if isinstance(obj, Module):
+        return MODULE
+    if isinstance(obj, Optimizer):
+        return OPTIMIZER
+    return OTHER
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def owner_of(optimizer: Optimizer, state: dict[str, Any], key: str) -> Module:
+    """The module in ``state`` holding every parameter ``optimizer`` updates (its names come from it)."""
+    wanted = {id(param) for group in optimizer.param_groups for param in group["params"]}
+    for obj in state.values():
+        if isinstance(obj, Module) and wanted <= {id(param) for param in obj.parameters()}:
+            return obj
+    raise ValueError(
+        f"state[{key!r}] is an optimizer whose parameters belong to no single module in the state"
+        f" (keys: {sorted(state)}): put the model it trains in the same state dict, e.g."
+        " {'model': model, 'optimizer': optimizer}"
+    )
+
+
+def state_dicts(
+    state: dict[str, Any],
+    options: Any,
+    filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    keys: list[str] | None = None,
+) -> dict[str, Any]:
+    """Entries of ``state`` (all, or ``keys``) as what is written: modules and optimizers through torch's
+    state-dict API, stateful objects through their ``state_dict()``, plain values as they are."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    converted: dict[str, Any] = {}
+    for key in state if keys is None else keys:
+        obj, kind = state[key], kind_of(state[key])
+        if kind == MODULE:
+            value: Any = get_model_state_dict(obj, options=options)
+        elif kind == OPTIMIZER:
+            value = get_optimizer_state_dict(owner_of(obj, state, key), obj, options=options)
+        else:
+            value = obj.state_dict() if is_stateful(obj) else obj
+        converted[key] = filtered(key, value, filter)
+    return converted
+
+
+def filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]] | None) -> Any:
+    """``value`` (a state dict) with only the entries ``filter[key]`` keeps, as ``Fabric.save(filter=...)`` asks."""
+    if filter is None or key not in filter:
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"filter[{key!r}] applies to dicts, but state[{key!r}] is a {type(value).__name__}")
+    keep = filter[key]
+    return {name: item for name, item in value.items() if keep(name, item)}
+
+
+def check_entries_present(path: str | os.PathLike, state: dict[str, Any], saved: Any, strict: bool) -> None:
+    """KeyError if ``strict`` and some key of ``state`` has no entry among ``saved``'s keys."""
+    missing = [key for key in state if key not in saved]
+    if missing and strict:
+        raise KeyError(
+            f"Checkpoint {str(path)!r} has no entry for {missing} (it holds {sorted(saved)});"
+            " pass strict=False to load the entries it has"
+        )
+
+
+def split_tensors(entries: dict[str, Any], kinds: dict[str, str]) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Path_]]:
+    """(skeleton, flat key -> tensor, flat key -> path) for the module and optimizer entries.
+
+    Other entries stay whole in the skeleton (rank 0 writes them, as in a single-file checkpoint).
+    """
+    skeleton: dict[str, Any] = {}
+    tensors: dict[str, Tensor] = {}
+    paths: dict[str, Path_] = {}
+
+    def visit(value: Any, path: Path_) -> Any:
+        if isinstance(value, Tensor):
+            flat = "/".join(str(part) for part in path)
+            if flat in tensors:
+                raise ValueError(f"Two tensors of the checkpoint share the name {flat!r}; rename one of the keys")
+            tensors[flat] = value
+            paths[flat] = path
+            return None
+        if isinstance(value, dict):
+            return {name: visit(item, (*path, name)) for name, item in value.items()}
+        if isinstance(value, (list, tuple)) and any(_holds_tensor(item) for item in value):
+            return [visit(item, (*path, index)) for index, item in enumerate(value)]
+        return value
+
+    for key, value in entries.items():
+        skeleton[key] = visit(value, (key,)) if kinds[key] != OTHER else value
+    return skeleton, tensors, paths
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(item) for item in value)
+    return False
+
+
+def fill(skeleton_entry: Any, tensors: dict[str, Tensor], paths: dict[str, Path_], key: str) -> Any:
+    """A copy of one skeleton entry with the given tensors put back; leaves that stay ``None`` are dropped
+    from dicts (tensors not loaded), so a partial load does not hand ``None`` to ``load_state_dict``."""
+    entry = copy.deepcopy(skeleton_entry)
+    placed = set()
+    for flat, path in paths.items():
+        if path[0] != key or flat not in tensors:
+            continue
+        container = entry
+        for part in path[1:-1]:
+            container = container[part]
+        container[path[-1]] = tensors[flat]
+        placed.add(path[1:])
+    unplaced = [path[1:] for flat, path in paths.items() if path[0] == key and path[1:] not in placed]
+    for path in sorted(unplaced, key=len, reverse=True):
+        container = entry
+        for part in path[:-1]:
+            container = container[part]
+        if isinstance(container, dict):
+            del container[path[-1]]
+    return entry
+
+
+# ---- optimizer state: named by parameter (sharded form) or numbered (torch's own form) ---------------
+
+
+def optimizer_numbered(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The parameter-name-keyed optimizer state in ``Optimizer.state_dict()``'s numbered form.
+
+    A full checkpoint stores this form so that a plain ``optimizer.load_state_dict`` reads it.
+    """
+    numbers: dict[Any, int] = {}
+    groups = []
+    for group in state_dict["param_groups"]:
+        ids = []
+        for name in group["params"]:
+            numbers.setdefault(name, len(numbers))
+            ids.append(numbers[name])
+        groups.append({**group, "params": ids})
+    state = {numbers[name]: value for name, value in state_dict["state"].items() if name in numbers}
+    return {"state": state, "param_groups": groups}
+
+
+def optimizer_named(state_dict: dict[str, Any], target: dict[str, Any], key: str) -> dict[str, Any]:
+    """A numbered optimizer state renamed after ``target``'s parameter names (same order of parameters)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list) or "state" not in state_dict:
+        raise ValueError(f"state[{key!r}]: the checkpoint entry is not an optimizer state dict")
+    if all(isinstance(name, str) for group in groups for name in group["params"]):
+        return state_dict
+    names = [name for group in target["param_groups"] for name in group["params"]]
+    sizes = [len(group["params"]) for group in groups]
+    target_sizes = [len(group["params"]) for group in target["param_groups"]]
+    if sizes != target_sizes:
+        raise ValueError(
+            f"state[{key!r}]: the checkpoint's optimizer has parameter groups of sizes {sizes}, this one {target_sizes}"
+        )
+    number_to_name = {}
+    for group, target_group in zip(groups, target["param_groups"]):
+        number_to_name.update(zip(group["params"], target_group["params"]))
+    state = {number_to_name[number]: value for number, value in state_dict["state"].items() if number in number_to_name}
+    renamed = [{**group, "params": list(target_group["params"])} for group, target_group in zip(groups, target["param_groups"])]
+    if len(number_to_name) != len(names):
+        raise ValueError(f"state[{key!r}]: the checkpoint's optimizer numbers its parameters inconsistently")
+    return {"state": state, "param_groups": renamed}
+
+
+# ---- checks before anything changes ----------------------------------------------------------------
+
+
+def check_module_fits(key: str, target: dict[str, Any], saved_shapes: dict[str, tuple[int, ...] | None], strict: bool) -> None:
+    """KeyError/RuntimeError naming the first problem if the saved module entry cannot load into ``target``.
+
+    ``saved_shapes`` maps each saved name to its global shape (None for a non-tensor entry).
+    """
+    missing = sorted(name for name in target if name not in saved_shapes)
+    unexpected = sorted(name for name in saved_shapes if name not in target)
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"state[{key!r}]: the checkpoint does not fit the model: missing keys {missing},"
+            f" unexpected keys {unexpected}; pass strict=False to load the keys that match"
+        )
+    for name, shape in saved_shapes.items():
+        value = target.get(name)
+        if shape is not None and isinstance(value, Tensor) and tuple(value.shape) != tuple(shape):
+            raise RuntimeError(
+                f"state[{key!r}]: the checkpoint does not fit the model: {name!r} has shape {tuple(shape)} in the"
+                f" checkpoint but {tuple(value.shape)} in the model"
+            )
+
+
+def check_optimizer_fits(key: str, saved: dict[str, Any], target: dict[str, Any]) -> None:
+    """ValueError if the saved (name-keyed) optimizer state was made for other parameters."""
+    saved_groups = [list(group["params"]) for group in saved.get("param_groups", [])]
+    target_groups = [list(group["params"]) for group in target["param_groups"]]
+    if saved_groups != target_groups:
+        raise ValueError(
+            f"state[{key!r}]: the checkpoint's optimizer updates parameters {saved_groups}, this one {target_groups}"
+        )
+
+
+def tensor_shapes(entry: Any) -> dict[str, tuple[int, ...] | None]:
+    return {name: tuple(value.shape) if isinstance(value, Tensor) else None for name, value in entry.items()}
+
+
+def plain_copy(value: Tensor) -> Tensor:
+    """A CPU copy of a tensor or of a DTensor's local shard (kept a DTensor with the same layout)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
+    return value.detach().to("cpu", copy=True)
+
+
+def empty_like_saved(size: Any, dtype: torch.dtype) -> Tensor:
+    return torch.empty(tuple(size), dtype=dtype)

@@ -1,0 +1,76 @@
+"""One rank of a sharded-checkpoint test job (started by tests/test_sharded_checkpoint.py).
+
+``job.py OUT save``: train a tiny model under ``fully_shard`` for three AdamW steps, then write it
+sharded (``OUT/sharded``), full (``OUT/full.pt``) and, for comparison, as one process sees the whole
+state (``OUT/reference-rank{R}.pt``).
+``job.py OUT load SOURCE``: load SOURCE (folder or file) into a freshly built sharded model and
+optimizer, and write what the loaded objects hold, gathered (``OUT/loaded-{NAME}-rank{R}.pt``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from fabric.plugins.io.full_state import save_full
+from fabric.plugins.io.sharded import load_sharded, save_sharded
+from fabric.plugins.io.state_layout import optimizer_numbered
+
+
+def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def gathered(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return {
+        "model": get_model_state_dict(model, options=options),
+        "optimizer": optimizer_numbered(get_optimizer_state_dict(model, optimizer, options=options)),
+    }
+
+
+def main() -> None:
+    out, mode = Path(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if mode == "save":
+        model, optimizer = build(seed=1)
+        torch.manual_seed(100 + rank)
+        for _ in range(3):
+            model(torch.randn(5, 6)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        state = {"model": model, "optimizer": optimizer, "step": 3, "note": {"text": "hi", "rank_zero": rank == 0}}
+        save_sharded(out / "sharded", state)
+        save_full(out / "full.pt", state)
+        torch.save(gathered(model, optimizer), out / f"reference-rank{rank}.pt")
+    elif mode == "load":
+        source = Path(sys.argv[3])
+        model, optimizer = build(seed=2)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        remainder = load_sharded(source, state)
+        result = gathered(model, optimizer)
+        result.update(step=state["step"], remainder=remainder, world_size=dist.get_world_size())
+        torch.save(result, out / f"loaded-{source.name}-rank{rank}.pt")
+        if len(sys.argv) > 4:  # and save again from this layout
+            save_sharded(out / sys.argv[4], {"model": model, "optimizer": optimizer, "step": state["step"]})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Sharded checkpoints with real processes: save on 2, load on 4 and on 1, full <-> sharded, consolidate.
+
+The jobs run ``dcp_scripts/job.py`` as N real processes on gloo (rank variables set as torchrun
+would), each with a timeout. One 2-process job saves; one 4-process job loads both the sharded folder
+and the full file and saves again from 4 processes; the single-process loads run in the test itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fabric.plugins.io.sharded import load_sharded
+
+TESTS = Path(__file__).resolve().parent
+JOB = TESTS / "dcp_scripts" / "job.py"
+REPO = TESTS.parent
+JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_job(world_size: int, script: Path, *args: str) -> list[subprocess.Popen]:
+    """``world_size`` real rank processes of ``script`` on one gloo rendezvous."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS and not k.startswith("FABRIC_")}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+
+
+def finish_job(procs: list[subprocess.Popen], timeout: float = 180) -> list[str]:
+    """Wait for every rank; on a failure or timeout kill them all and fail with their output."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail("the job did not finish:\n" + "\n".join(p.communicate()[0][-3000:] for p in procs))
+    failed = [(rank, out) for rank, (proc, out) in enumerate(zip(procs, outputs)) if proc.returncode != 0]
+    assert not failed, "\n".join(f"rank {rank} failed:\n{out[-3000:]}" for rank, out in failed)
+    return outputs
+
+
+def run_job(world_size: int, *args: str, timeout: float = 180) -> list[str]:
+    return finish_job(start_job(world_size, JOB, *args), timeout=timeout)
+
+
+def assert_same_state(actual: dict, expected: dict) -> None:
+    assert actual["model"].keys() == expected["model"].keys()
+    for name, value in expected["model"].items():
+        assert torch.equal(actual["model"][name], value), name
+    assert actual["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    assert actual["optimizer"]["state"].keys() == expected["optimizer"]["state"].keys()
+    for number, entry in expected["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(actual["optimizer"]["state"][number][name]), torch.as_tensor(value)), (number, name)
+
+
+def plain_model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.5)
+
+
+@pytest.fixture(scope="module")
+def saved_on_two(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dcp")
+    run_job(2, str(out), "save")
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_two_process_save_writes_a_folder_and_a_full_file(saved_on_two):
+    folder = saved_on_two / "sharded"
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric-objects.pt"]
+    assert not [p for p in saved_on_two.iterdir() if p.name.startswith(".fabric-")]  # nothing left behind
+    reference = torch.load(saved_on_two / "reference-rank0.pt", weights_only=True)
+    full = torch.load(saved_on_two / "full.pt", weights_only=True)  # plain torch.load, safely
+    assert full["step"] == 3 and full["note"] == {"text": "hi", "rank_zero": True}
+    assert_same_state(full, reference)
+
+
+@pytest.mark.timeout(300)
+def test_sharded_and_full_load_into_one_plain_process(saved_on_two):
+    reference = torch.load(saved_on_two / "reference-rank0.pt", weights_only=True)
+    for source in ("sharded", "full.pt"):
+        model, optimizer = plain_model_and_optimizer()
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        remainder = load_sharded(saved_on_two / source, state)
+        assert state["step"] == 3 and remainder == {"note": {"text": "hi", "rank_zero": True}}
+        assert_same_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, reference)
+    # the file written by save_full loads with a plain optimizer.load_state_dict too
+    model, optimizer = plain_model_and_optimizer()
+    full = torch.load(saved_on_two / "full.pt", weights_only=True)
+    model.load_state_dict(full["model"])
+    optimizer.load_state_dict(full["optimizer"])
+    assert_same_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, reference)
+
+
+@pytest.mark.timeout(400)
+def test_two_to_four_processes_sharded_and_full_then_back_to_one(saved_on_two, tmp_path):
+    reference = torch.load(saved_on_two / "reference-rank0.pt", weights_only=True)
+    procs_sharded = start_job(4, JOB, str(tmp_path), "load", str(saved_on_two / "sharded"), "resaved")
+    finish_job(procs_sharded, timeout=300)
+    run_job(4, str(tmp_path), "load", str(saved_on_two / "full.pt"), timeout=300)
+    for source in ("sharded", "full.pt"):
+        for rank in range(4):
+            loaded = torch.load(tmp_path / f"loaded-{source}-rank{rank}.pt", weights_only=True)
+            assert loaded["world_size"] == 4 and loaded["step"] == 3
+            assert loaded["remainder"] == {"note": {"text": "hi", "rank_zero": True}}
+            assert_same_state(loaded, reference)
+    # saved again by 4 processes (4 shard files), read back by one plain process
+    assert len(list((tmp_path / "resaved").glob("*.distcp"))) == 4
+    model, optimizer = plain_model_and_optimizer()
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    load_sharded(tmp_path / "resaved", state)
+    assert state["step"] == 3
+    assert_same_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, reference)
