@@ -6,6 +6,7 @@ that only needs a submodule) starts ranks without first paying for ``import torc
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -13,6 +14,14 @@ __all__ = ["Fabric", "seed_everything"]
 
 if TYPE_CHECKING:
     from fabric.fabric import Fabric, seed_everything
+
+# Like Lightning Fabric: fabric's INFO records (e.g. "Seed set to 42") are shown by default, on stderr,
+# unless the application configured logging itself before importing fabric.
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 
 def __getattr__(name: str) -> Any:

@@ -71,10 +71,76 @@ def test_seed_out_of_range(seed):
         seed_everything(seed)
 
 
-@pytest.mark.parametrize("seed", ["1", 1.5, True, [1]])
+@pytest.mark.parametrize("seed", [1.5, True, [1], "abc"])
 def test_seed_of_a_wrong_type(seed):
     with pytest.raises(TypeError, match="takes an int"):
         seed_everything(seed)
+
+
+def test_seed_as_a_string_of_digits_or_numpy_int():
+    assert seed_everything("17") == 17  # e.g. straight from argparse or os.environ, as Lightning accepts
+    assert seed_everything(np.int64(18)) == 18
+
+
+def test_lightning_variables_are_written_and_read(monkeypatch):
+    seed_everything(11, workers=True)
+    assert os.environ["PL_GLOBAL_SEED"] == "11" and os.environ["PL_SEED_WORKERS"] == "1"
+    for name in ("FABRIC_GLOBAL_SEED", "PL_GLOBAL_SEED", "FABRIC_SEED_WORKERS", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "55")  # a job script written for Lightning Fabric
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    assert seed_everything() == 55
+    from_env = draw()
+    seed_everything(55)
+    assert draw() == from_env
+    del os.environ["FABRIC_GLOBAL_SEED"], os.environ["FABRIC_SEED_WORKERS"]
+    monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    reset_seed()  # a freshly started rank: seeds from Lightning's variables
+    assert draw() == from_env
+    assert os.environ["FABRIC_SEED_WORKERS"] == "1"
+
+
+def test_invalid_lightning_seed_variable(monkeypatch):
+    monkeypatch.setenv("PL_GLOBAL_SEED", "x1")
+    with pytest.raises(ValueError, match="PL_GLOBAL_SEED='x1' is not an integer seed"):
+        seed_everything()
+
+
+def test_pl_worker_init_function_is_the_worker_seeding():
+    from fabric.utilities.seed import pl_worker_init_function
+
+    assert _worker_draw(1000, 1, 0) == (torch.manual_seed(1001), pl_worker_init_function(1, rank=0), draw())[2]
+
+
+def test_verbose_false_is_silent(caplog, recwarn):
+    with caplog.at_level(logging.DEBUG, logger="fabric"):
+        assert seed_everything(verbose=False) == 0  # no seed anywhere: 0, without the warning
+        seed_everything(3, verbose=False)
+    assert caplog.records == [] and len(recwarn) == 0
+
+
+def test_seed_record_is_info_from_the_seed_module_with_the_rank(caplog, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with caplog.at_level(logging.INFO, logger="fabric"):
+        seed_everything(7)
+        monkeypatch.setenv("RANK", "3")
+        seed_everything(8)  # every rank logs, with its rank in front, as in Lightning Fabric
+    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert records == [
+        ("fabric.utilities.seed", logging.INFO, "Seed set to 7"),
+        ("fabric.utilities.seed", logging.INFO, "[rank: 3] Seed set to 8"),
+    ]
+
+
+def test_seed_record_is_shown_by_default(subprocess_env):
+    import subprocess
+    import sys
+
+    code = "import fabric; fabric.seed_everything(42)"
+    result = subprocess.run([sys.executable, "-c", code], env=subprocess_env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Seed set to 42" in result.stderr
 
 
 def test_verbose_logs_the_seed(caplog):

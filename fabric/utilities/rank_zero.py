@@ -1,38 +1,87 @@
-"""Output that only the process of global rank 0 gives, so N processes do not print N times."""
+"""Output that only the process of global rank 0 gives, so N processes do not print N times.
+
+The names match ``lightning.fabric.utilities.rank_zero``. ``rank_zero_only`` (and its ``rank``) is the one
+object of lightning-utilities, so setting the rank once serves both libraries; the messages go to the
+``"fabric"`` logger and Python's warnings.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
-from lightning_utilities.core.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import WarningCache as _UtilitiesWarningCache
+from lightning_utilities.core.rank_zero import rank_prefixed_message, rank_zero_only
 
 log = logging.getLogger("fabric")
 
+# the launchers and external launchers (torchrun, SLURM, MPI, LSF, Horovod) put the global rank here
+_RANK_VARIABLES = ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK")
 
-def _rank_from_environment() -> int:
-    # the launchers and external launchers (torchrun, SLURM, MPI, LSF) put the global rank here
-    for name in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"):
+
+def _rank_from_environment() -> int | None:
+    for name in _RANK_VARIABLES:
         value = os.environ.get(name)
         if value is not None and value.isdigit():
             return int(value)
-    return 0
+    return None
 
 
-rank_zero_only.rank = getattr(rank_zero_only, "rank", _rank_from_environment())
+rank_zero_only.rank = getattr(rank_zero_only, "rank", _rank_from_environment() or 0)
+
+
+class LightningDeprecationWarning(DeprecationWarning):
+    """The category of ``rank_zero_deprecation`` (Lightning's name, so filters written for it still match)."""
 
 
 @rank_zero_only
-def rank_zero_info(message: str, *args: Any, **kwargs: Any) -> None:
-    log.info(message, *args, **kwargs)
+def rank_zero_debug(message: Any, *args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
+    log.debug(message, *args, stacklevel=stacklevel, **kwargs)
 
 
 @rank_zero_only
-def rank_zero_warn(message: str, category: type[Warning] = UserWarning, stacklevel: int = 4) -> None:
-    import warnings
-
-    warnings.warn(message, category=category, stacklevel=stacklevel)
+def rank_zero_info(message: Any, *args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
+    log.info(message, *args, stacklevel=stacklevel, **kwargs)
 
 
-__all__ = ["rank_zero_info", "rank_zero_only", "rank_zero_warn"]
+@rank_zero_only
+def rank_zero_warn(message: str | Warning, category: type[Warning] = UserWarning, stacklevel: int = 4, **kwargs: Any) -> None:
+    warnings.warn(message, category=category, stacklevel=stacklevel, **kwargs)
+
+
+def rank_zero_deprecation(message: str | Warning, stacklevel: int = 5, **kwargs: Any) -> None:
+    kwargs.setdefault("category", LightningDeprecationWarning)
+    rank_zero_warn(message, stacklevel=stacklevel, **kwargs)
+
+
+class WarningCache(_UtilitiesWarningCache):
+    """Each distinct message once (on rank 0), through this module's warn/info functions."""
+
+    def warn(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_warn(message, stacklevel=stacklevel, **kwargs)
+
+    def deprecation(self, message: str, stacklevel: int = 6, **kwargs: Any) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_deprecation(message, stacklevel=stacklevel, **kwargs)
+
+    def info(self, message: str, stacklevel: int = 5, **kwargs: Any) -> None:
+        if message not in self:
+            self.add(message)
+            rank_zero_info(message, stacklevel=stacklevel, **kwargs)
+
+
+__all__ = [
+    "LightningDeprecationWarning",
+    "WarningCache",
+    "rank_prefixed_message",
+    "rank_zero_debug",
+    "rank_zero_deprecation",
+    "rank_zero_info",
+    "rank_zero_only",
+    "rank_zero_warn",
+]

@@ -1,17 +1,25 @@
-"""Seeding every random number generator a training loop touches, and passing the seed to children."""
+"""Seeding every random number generator a training loop touches, and passing the seed to children.
+
+The seed travels in environment variables under two names, ours (``FABRIC_GLOBAL_SEED``,
+``FABRIC_SEED_WORKERS``) and Lightning's (``PL_GLOBAL_SEED``, ``PL_SEED_WORKERS``): both are written and
+both are read, so job scripts written for Lightning Fabric keep their seeds.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
 import numpy as np
 import torch
 
-from fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from fabric.utilities.rank_zero import rank_prefixed_message, rank_zero_warn
 
-_SEED_VARIABLE = "FABRIC_GLOBAL_SEED"
-_WORKERS_VARIABLE = "FABRIC_SEED_WORKERS"
+log = logging.getLogger(__name__)
+
+SEED_VARIABLES = ("FABRIC_GLOBAL_SEED", "PL_GLOBAL_SEED")  # ours first: it wins when both are set
+WORKERS_VARIABLES = ("FABRIC_SEED_WORKERS", "PL_SEED_WORKERS")
 _MAX_SEED = np.iinfo(np.uint32).max
 _MIN_SEED = np.iinfo(np.uint32).min
 
@@ -19,40 +27,56 @@ _MIN_SEED = np.iinfo(np.uint32).min
 def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed python's ``random``, NumPy and torch (all devices) with ``seed`` and return it.
 
-    Without a seed, the value of ``FABRIC_GLOBAL_SEED`` is used, else 0. The seed is written to that
-    variable so processes started later (launched ranks, dataloader workers) can pick it up.
-    With ``workers=True`` each dataloader worker gets its own derived seed (see ``worker_init_function``).
+    Without a seed, the value of ``FABRIC_GLOBAL_SEED`` (or Lightning's ``PL_GLOBAL_SEED``) is used,
+    else 0. The seed is written to both variables so processes started later (launched ranks,
+    dataloader workers) pick it up. With ``workers=True``, loaders set up afterwards give each worker
+    its own derived seed (``worker_init_function``). ``verbose=False`` logs and warns nothing.
     """
     if seed is None:
-        env_seed = os.environ.get(_SEED_VARIABLE)
-        if env_seed is None:
+        seed = global_seed_from_environment()
+        if seed is None:
             seed = 0
-            rank_zero_warn(f"No seed given; seeding with {seed}.")
-        else:
-            try:
-                seed = int(env_seed)
-            except ValueError as err:
-                raise ValueError(f"{_SEED_VARIABLE}={env_seed!r} is not an integer seed") from err
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed_everything(seed=...) takes an int, got {seed!r}")
+            if verbose:
+                rank_zero_warn(f"No seed given; seeding with {seed}.")
+    seed = _as_seed(seed)
     if not _MIN_SEED <= seed <= _MAX_SEED:
         raise ValueError(f"seed={seed} is out of range; accepted: {_MIN_SEED} to {_MAX_SEED}")
     if verbose:
-        rank_zero_info(f"Seed set to {seed}")
-    os.environ[_SEED_VARIABLE] = str(seed)
-    os.environ[_WORKERS_VARIABLE] = str(int(workers))
+        # every rank logs, prefixed with its rank where one is known (as Lightning Fabric does)
+        log.info(rank_prefixed_message(f"Seed set to {seed}", _rank_or_none()))
+    for name in SEED_VARIABLES:
+        os.environ[name] = str(seed)
+    for name in WORKERS_VARIABLES:
+        os.environ[name] = str(int(workers))
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds CUDA/MPS generators too
     return seed
 
 
+def global_seed_from_environment() -> int | None:
+    """The seed a parent process (or a job script) left in the environment, or None."""
+    for name in SEED_VARIABLES:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError as err:
+                raise ValueError(f"{name}={value!r} is not an integer seed") from err
+    return None
+
+
+def seed_workers_from_environment() -> bool:
+    """Whether the last ``seed_everything`` (here or in a parent process) asked for seeded workers."""
+    return any(os.environ.get(name, "0") == "1" for name in WORKERS_VARIABLES)
+
+
 def reset_seed() -> None:
-    """Seed again from ``FABRIC_GLOBAL_SEED`` (used in freshly started processes)."""
-    seed = os.environ.get(_SEED_VARIABLE)
+    """Seed again from the environment (used in freshly started processes); nothing when no seed was set."""
+    seed = global_seed_from_environment()
     if seed is None:
         return
-    seed_everything(int(seed), workers=bool(int(os.environ.get(_WORKERS_VARIABLE, "0"))), verbose=False)
+    seed_everything(seed, workers=seed_workers_from_environment(), verbose=False)
 
 
 def worker_init_function(worker_id: int, rank: int | None = None) -> None:
@@ -65,3 +89,23 @@ def worker_init_function(worker_id: int, rank: int | None = None) -> None:
     torch_seed, random_seed = seed_sequence.spawn(2)
     torch.manual_seed(int(torch_seed.generate_state(1, dtype=np.uint64)[0]))
     random.seed(int(random_seed.generate_state(1, dtype=np.uint64)[0]))
+
+
+pl_worker_init_function = worker_init_function  # Lightning's name for the same job
+
+
+def _as_seed(seed: object) -> int:
+    """An int seed from an int (or NumPy int) or a string of digits; floats and bools are refused."""
+    if isinstance(seed, str) and seed.strip().lstrip("-").isdigit():
+        return int(seed)
+    if isinstance(seed, (bool, float)) or not hasattr(seed, "__index__"):
+        raise TypeError(f"seed_everything(seed=...) takes an int, got {seed!r} ({type(seed).__name__})")
+    return int(seed.__index__())  # type: ignore[attr-defined]
+
+
+def _rank_or_none() -> int | None:
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        value = os.environ.get(name)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
