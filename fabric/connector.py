@@ -54,7 +54,7 @@ class Connector:
         self.parallel_devices = self.accelerator.get_parallel_devices(self.accelerator.parse_devices(devices))
         device_type = self.parallel_devices[0].type
         if precision_plugin is None:
-            _check_precision_on_device(self.precision, device_type, accelerator)
+            self.precision = _precision_on_device(self.precision, device_type)
             precision_plugin = precision_for(self.precision, device_type)
         self.strategy = self._build_strategy(strategy, precision_plugin, checkpoint_io)
 
@@ -66,6 +66,12 @@ class Connector:
             if name == "auto":
                 multi = len(self.parallel_devices) > 1 or self.num_nodes > 1
                 name = "ddp" if multi else "single_device"
+            if name == "dp" and self.parallel_devices[0].type == "cpu":
+                from fabric.utilities.rank_zero import rank_zero_warn
+
+                # DataParallel splits a batch over GPUs; on the CPU, processes (DDP) do the same job
+                rank_zero_warn("strategy='dp' is not supported on the CPU; using strategy='ddp' instead, as Lightning Fabric does", stacklevel=5)
+                name = "ddp"
             if name not in STRATEGY_REGISTRY:
                 accepted = ", ".join(repr(n) for n in ("auto", *STRATEGY_REGISTRY))
                 raise ValueError(f"strategy={strategy!r} is not a known strategy; accepted: {accepted}, or a Strategy instance")
@@ -77,7 +83,10 @@ class Connector:
             cls, fixed = strategy_class(name)
             instance = cls(device=self.parallel_devices[0]) if name == "single_device" else cls(**fixed)
         else:
-            raise TypeError(f"strategy={strategy!r} must be a name or a Strategy instance, not {type(strategy).__name__}")
+            from fabric.utilities.exceptions import InvalidArgumentError
+
+            # Lightning Fabric raises ValueError here, this package raised TypeError: the error is both
+            raise InvalidArgumentError(f"strategy={strategy!r} must be a name or a Strategy instance, not {type(strategy).__name__}")
         self._complete(instance, precision, checkpoint_io)
         return instance
 
@@ -185,13 +194,20 @@ def _devices_from_cluster(devices: Any, num_nodes: int, environment: Any) -> tup
     return per_node, num_nodes
 
 
-def _check_precision_on_device(precision: str, device_type: str, accelerator: Any) -> None:
+def _precision_on_device(precision: str, device_type: str) -> str:
+    """The precision that will run on ``device_type``: "16-mixed" on the CPU becomes "bf16-mixed", with a warning."""
     if precision == "16-mixed" and device_type == "cpu":
-        raise ValueError(
-            "precision='16-mixed' is not supported on the CPU (float16 autocast needs a GPU); use precision='bf16-mixed'"
+        from fabric.utilities.rank_zero import rank_zero_warn
+
+        rank_zero_warn(
+            "precision='16-mixed' is not supported on the CPU (float16 autocast needs a GPU); using"
+            " precision='bf16-mixed' instead, as Lightning Fabric does",
+            stacklevel=5,
         )
+        return "bf16-mixed"
     if precision == "bf16-mixed" and device_type == "cuda":
         import torch
 
         if not torch.cuda.is_bf16_supported():
             raise RuntimeError("precision='bf16-mixed' needs a GPU with bfloat16 support; use precision='16-mixed'")
+    return precision

@@ -123,11 +123,11 @@ def test_unknown_precision(precision):
         Fabric(accelerator="cpu", precision=precision)
 
 
-def test_sixteen_bit_mixed_on_the_cpu():
-    with raises(ValueError, "precision='16-mixed'", "CPU", "'bf16-mixed'"):
-        Fabric(accelerator="cpu", precision="16-mixed")
-    with raises(ValueError, "precision='16-mixed'", "CPU"):
-        Fabric(accelerator="cpu", precision=16)  # the alias means 16-mixed
+def test_sixteen_bit_mixed_on_the_cpu_falls_back_to_bf16_mixed():
+    for precision in ("16-mixed", 16):  # the alias means 16-mixed
+        with pytest.warns(UserWarning, match="precision='16-mixed' is not supported on the CPU"):
+            fabric = Fabric(accelerator="cpu", precision=precision)
+        assert fabric.strategy.precision.precision == "bf16-mixed"
 
 
 # ---- devices and nodes ---------------------------------------------------------------------------------

@@ -15,7 +15,22 @@ from fabric.strategies import DataParallelStrategy
 def fabric(monkeypatch):
     for name in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    return Fabric(accelerator="cpu", strategy="dp", devices=1)
+    # an instance: the name "dp" on the CPU means DDP (see the test below)
+    return Fabric(accelerator="cpu", strategy=DataParallelStrategy(), devices=1)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_dp_by_name_on_the_cpu_warns_and_uses_ddp(devices, monkeypatch):
+    from fabric.strategies import DDPStrategy
+
+    for name in ("MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.warns(UserWarning, match="strategy='dp' is not supported on the CPU; using strategy='ddp'"):
+        fabric = Fabric(accelerator="cpu", strategy="dp", devices=devices)
+    assert isinstance(fabric.strategy, DDPStrategy)
+    assert fabric.strategy.requires_launch
+    # DDP shards the data: each rank gets its own part (DataParallel would have given each the whole batch)
+    assert fabric.strategy.distributed_sampler_kwargs == {"num_replicas": devices, "rank": 0}
 
 
 def test_dp_strategy_shape(fabric):

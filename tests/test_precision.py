@@ -117,6 +117,8 @@ def test_setup_converts_parameters_and_casts_inputs_and_outputs(precision):
     assert torch.get_default_dtype() == torch.float32
     if precision in ("64-true", "16-true", "bf16-true"):
         assert seen["input"] == dtype and seen["default"] == dtype and seen["matmul"] == dtype
+    elif precision == "bf16-mixed":  # floating inputs arrive in the autocast dtype, as in Lightning Fabric
+        assert seen["input"] == torch.bfloat16 and seen["default"] == torch.float32
     else:
         assert seen["input"] == torch.float32 and seen["default"] == torch.float32
     if precision == "bf16-mixed":
@@ -145,6 +147,47 @@ def test_a_training_step_in_every_cpu_precision(precision):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
     assert {p.dtype for p in model.parameters()} == {PARAM_DTYPE[precision]}
+
+
+class WithComplex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.phase = nn.Parameter(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64))
+        self.register_buffer("spectrum", torch.tensor([0.5j, 2 + 0j], dtype=torch.complex64))
+        self.register_buffer("count", torch.tensor(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * (self.phase * self.spectrum).abs()
+
+
+def test_double_precision_keeps_complex_tensors_complex():
+    fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+    model = fabric.setup(WithComplex())
+    assert model.linear.weight.dtype == torch.float64
+    assert model.phase.dtype == model.spectrum.dtype == torch.complex128  # not float64 without the imaginary part
+    assert torch.equal(model.phase.detach(), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128))
+    assert torch.equal(model.spectrum, torch.tensor([0.5j, 2 + 0j], dtype=torch.complex128))
+    assert model.count.dtype == torch.int64
+    assert model(torch.ones(1, 2)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_half_precision_leaves_complex_tensors_alone(precision):
+    model = Fabric(accelerator="cpu", devices=1, precision=precision).setup(WithComplex())
+    assert model.phase.dtype == torch.complex64 and model.linear.weight.dtype == PARAM_DTYPE[precision]
+
+
+def test_sixteen_mixed_on_the_cpu_warns_and_runs_bf16_mixed():
+    with pytest.warns(UserWarning, match="precision='16-mixed' is not supported on the CPU.*'bf16-mixed'"):
+        fabric = Fabric(accelerator="cpu", devices=1, precision="16-mixed")
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed" and plugin.scaler is None
+    model = fabric.setup(Probe())
+    assert model(torch.randn(2, 4))["out"].dtype == torch.float32
+    assert model.module.seen["autocast_dtype"] == torch.bfloat16 and model.module.seen["input"] == torch.bfloat16
+    with pytest.warns(UserWarning, match="'bf16-mixed'"):
+        assert Fabric(accelerator="cpu", precision=16).strategy.precision.precision == "bf16-mixed"  # the alias
 
 
 def test_double_precision_converts_nested_inputs():

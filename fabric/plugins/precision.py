@@ -116,7 +116,17 @@ class _SingleDtypePrecision(Precision):
     dtype: torch.dtype
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(dtype=self.dtype)
+        # not ``module.to(dtype)``: that would cast complex tensors to a real dtype, dropping their imaginary part
+        complex_dtype = _COMPLEX_OF.get(self.dtype)
+
+        def convert(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.is_floating_point():
+                return tensor.to(self.dtype)
+            if tensor.is_complex() and complex_dtype is not None:
+                return tensor.to(complex_dtype)
+            return tensor
+
+        return module._apply(convert)
 
     def module_init_context(self) -> AbstractContextManager:
         return default_dtype(self.dtype)
@@ -134,8 +144,12 @@ class _SingleDtypePrecision(Precision):
         return _cast_floating(data, torch.get_default_dtype())
 
 
+# the complex dtype of the same precision; half precisions leave complex tensors as they are
+_COMPLEX_OF = {torch.float64: torch.complex128}
+
+
 class DoublePrecision(_SingleDtypePrecision):
-    """``"64-true"``: everything in float64."""
+    """``"64-true"``: everything in float64, and complex tensors in complex128."""
 
     precision = "64-true"
     dtype = torch.float64
@@ -171,6 +185,10 @@ class MixedPrecision(Precision):
 
     def forward_context(self) -> AbstractContextManager:
         return torch.autocast(self.device, dtype=self.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        # as Lightning Fabric does: floating inputs arrive in the autocast dtype
+        return _cast_floating(data, self.dtype)
 
     def convert_output(self, data: Any) -> Any:
         return _cast_floating(data, torch.get_default_dtype())
