@@ -97,8 +97,8 @@ def test_weighted_sampler_draw_is_shared_and_split():
 
 
 def test_wrapper_pads_uneven_lengths_like_distributed_sampler():
-    wrapper0 = DistributedSamplerWrapper(Reversed(5), num_replicas=2, rank=0)
-    wrapper1 = DistributedSamplerWrapper(Reversed(5), num_replicas=2, rank=1)
+    wrapper0 = DistributedSamplerWrapper(Reversed(5), num_replicas=2, rank=0, shuffle=False)
+    wrapper1 = DistributedSamplerWrapper(Reversed(5), num_replicas=2, rank=1, shuffle=False)
     assert len(wrapper0) == len(wrapper1) == 3
     assert list(wrapper0) == [4, 2, 0]
     assert list(wrapper1) == [3, 1, 4]  # padded with the start of the draw, as DistributedSampler pads

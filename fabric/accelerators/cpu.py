@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from fabric.accelerators.accelerator import Accelerator
+from fabric.utilities.exceptions import InvalidArgumentError
 
 
 class CPUAccelerator(Accelerator):
@@ -41,7 +42,9 @@ def parse_cpu_cores(devices: Any) -> int:
     if isinstance(devices, str) and devices.strip().isdigit():
         value = int(devices)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(
+        # a wrong type is a TypeError in Lightning Fabric, a ValueError here before: the error is both
+        error = ValueError if isinstance(value, int) and not isinstance(value, bool) else InvalidArgumentError
+        raise error(
             f"devices={devices!r} is not valid for the CPU accelerator; accepted: a positive int"
             " (the number of processes) or 'auto'"
         )

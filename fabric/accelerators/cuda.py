@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from fabric.accelerators.accelerator import Accelerator
+from fabric.utilities.exceptions import InvalidArgumentError
 
 
 class CUDAAccelerator(Accelerator):
@@ -37,6 +38,40 @@ class CUDAAccelerator(Accelerator):
         return num_cuda_devices() > 0
 
 
+def find_usable_cuda_devices(num_devices: int = -1) -> list[int]:
+    """Indices of ``num_devices`` GPUs this process can use now (-1: every usable one), e.g. ``devices=`` for Fabric.
+
+    A GPU counts as usable when a tensor can be created on it; one taken by another process in
+    "exclusive" compute mode cannot. Two processes asking at the same moment may both get the same GPU.
+    """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < -1:
+        raise ValueError(f"find_usable_cuda_devices(num_devices={num_devices!r}); accepted: -1 (all) or an int >= 0")
+    if num_devices == 0:
+        return []
+    visible = num_cuda_devices()
+    if visible == 0:
+        raise ValueError(f"find_usable_cuda_devices({num_devices}): there are no CUDA devices visible on this machine")
+    if num_devices > visible:
+        raise ValueError(f"find_usable_cuda_devices({num_devices}): this machine has only {visible} visible GPU(s)")
+    usable: list[int] = []
+    busy: list[int] = []
+    for index in range(visible):
+        if len(usable) == num_devices:
+            break
+        try:
+            torch.empty(1, device=torch.device("cuda", index))
+        except RuntimeError:
+            busy.append(index)
+        else:
+            usable.append(index)
+    if num_devices != -1 and len(usable) < num_devices:
+        raise RuntimeError(
+            f"find_usable_cuda_devices({num_devices}): only {len(usable)} GPU(s) can be used now; {busy} are"
+            " occupied by other processes"
+        )
+    return usable
+
+
 def num_cuda_devices() -> int:
     """Visible GPUs, counted without initializing CUDA (so forked processes can still use it)."""
     if not torch.backends.cuda.is_built():
@@ -50,7 +85,9 @@ def parse_gpu_ids(devices: Any, available: int, accelerator: str) -> list[int]:
     Accepted: "auto" or -1 / "-1" (all), an int n > 0 or a string of one ("2": the first n GPUs),
     a comma-separated string of indices ("0,1" or "1,"), a list/tuple of indices.
     """
-    invalid = ValueError(
+    # a wrong type is a TypeError in Lightning Fabric, a ValueError here before: the error is both
+    wrong_type = isinstance(devices, bool) or not isinstance(devices, (int, str, list, tuple))
+    invalid = (InvalidArgumentError if wrong_type else ValueError)(
         f"devices={devices!r} is not valid for the {accelerator.upper()} accelerator; accepted: 'auto', -1,"
         " a positive int, a string like '0,1', or a list of indices like [0, 1]"
     )

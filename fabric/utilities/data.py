@@ -1,12 +1,18 @@
-"""Sharding a user's DataLoader across ranks without asking them to build a DistributedSampler."""
+"""DataLoader helpers: sharding a user's loader across ranks, and the data helpers Lightning users import.
+
+``suggested_max_num_workers``, ``AttributeDict``, ``has_len`` and ``has_iterable_dataset`` have the names
+and behaviour of ``lightning.fabric.utilities.data``.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sized
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from fabric.utilities.distributed import DistributedSamplerWrapper
+from fabric.utilities.rank_zero import rank_zero_warn
 
 # DataLoader arguments that can be read back from an instance and passed to a new one
 _LOADER_ATTRIBUTES = (
@@ -33,55 +39,19 @@ def loader_arguments(dataloader: DataLoader) -> dict[str, Any]:
         kwargs["persistent_workers"] = False
     return kwargs
 
-class _SamplerIndices(Dataset):
-    """The indices one pass of a user's sampler yields, seen as a dataset so it can be sharded."""
-
-    def __init__(self, sampler: Sampler) -> None:
-        self._sampler = sampler
-        self._indices: list[Any] | None = None
-
-    def refresh(self) -> None:
-        self._indices = list(self._sampler)
-
-    def __getitem__(self, position: int) -> Any:
-        if self._indices is None:
-            self.refresh()
-        assert self._indices is not None
-        return self._indices[position]
-
-    def __len__(self) -> int:
-        return len(self._sampler)  # type: ignore[arg-type]
-
-
-class DistributedSamplerWrapper(DistributedSampler):
-    """Shards whatever a user's own sampler yields (weighted, custom order, ...) across ranks.
-
-    Each epoch, the user's sampler is drawn once (the same way on every rank when it is seeded), and
-    every rank takes its own disjoint share of that draw.
-    """
-
-    def __init__(self, sampler: Sampler, **kwargs: Any) -> None:
-        if not isinstance(sampler, Sized):
-            raise TypeError(f"{type(sampler).__name__} has no len(); a sampler must have one to be sharded")
-        kwargs.setdefault("shuffle", False)
-        super().__init__(_SamplerIndices(sampler), **kwargs)
-
-    def __iter__(self) -> Iterator[Any]:
-        indices: _SamplerIndices = self.dataset  # type: ignore[assignment]
-        indices.refresh()
-        return (indices[position] for position in super().__iter__())
-
-
 def distributed_sampler_for(sampler: Sampler | None, num_replicas: int, rank: int) -> DistributedSampler:
     """The distributed replacement of a loader's sampler, seeded alike on every rank."""
-    seed = int(os.environ.get("FABRIC_GLOBAL_SEED", 0))
+    from fabric.utilities.seed import global_seed_from_environment
+
+    seed = global_seed_from_environment() or 0
     if isinstance(sampler, (RandomSampler, SequentialSampler)):
         return DistributedSampler(
             sampler.data_source, num_replicas=num_replicas, rank=rank, shuffle=isinstance(sampler, RandomSampler), seed=seed  # type: ignore[arg-type]
         )
     if isinstance(sampler, DistributedSampler):
         return sampler
-    return DistributedSamplerWrapper(sampler, num_replicas=num_replicas, rank=rank, seed=seed)  # type: ignore[arg-type]
+    # the user's sampler decides the order (weights, curriculum, ...): each rank takes its share, unshuffled
+    return DistributedSamplerWrapper(sampler, num_replicas=num_replicas, rank=rank, seed=seed, shuffle=False)
 
 
 def shard_dataloader(dataloader: DataLoader, num_replicas: int, rank: int) -> DataLoader:
@@ -107,3 +77,79 @@ def shard_dataloader(dataloader: DataLoader, num_replicas: int, rank: int) -> Da
             f"Fabric could not re-create your {type(dataloader).__name__} with a distributed sampler ({err})."
             " Call setup_dataloaders(..., use_distributed_sampler=False) and pass a DistributedSampler yourself"
         ) from err
+
+
+def has_iterable_dataset(dataloader: Any) -> bool:
+    """Whether ``dataloader`` reads from an ``IterableDataset``."""
+    return isinstance(getattr(dataloader, "dataset", None), IterableDataset)
+
+
+def sized_len(dataloader: Any) -> int | None:
+    """``len(dataloader)``, or None when it has no length."""
+    try:
+        return len(dataloader)
+    except (TypeError, NotImplementedError):
+        return None
+
+
+def has_len(dataloader: Any) -> bool:
+    """Whether ``len(dataloader)`` works; warns when it is 0, or when an iterable dataset claims a length."""
+    length = sized_len(dataloader)
+    if length is None:
+        return False
+    if length == 0:
+        rank_zero_warn(f"`{type(dataloader).__name__}` has length 0; check that this is what you meant.")
+    if has_iterable_dataset(dataloader):
+        rank_zero_warn(
+            "Your `IterableDataset` defines `__len__`. With several dataloader workers the length is only right"
+            " if each worker yields its own part of the data, not a copy of all of it."
+        )
+    return True
+
+
+def suggested_max_num_workers(local_world_size: int) -> int:
+    """How many dataloader workers each of ``local_world_size`` processes on this machine should use at most.
+
+    The CPUs this process may run on, shared by the local processes, less one per process for the
+    process itself; at least 1.
+    """
+    if local_world_size < 1:
+        raise ValueError(f"local_world_size={local_world_size!r} must be >= 1")
+    return max(1, _available_cpus() // local_world_size - 1)
+
+
+def _available_cpus() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        return len(affinity(0))
+    return os.cpu_count() or 1
+
+
+class AttributeDict(dict):
+    """A dict whose keys are also attributes: ``hparams.lr`` is ``hparams["lr"]``."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError as missing:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{key}'") from missing
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    def __delattr__(self, key: str) -> None:
+        try:
+            del self[key]
+        except KeyError as missing:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{key}'") from missing
+
+    def __repr__(self) -> str:
+        """One ``"key": value`` line per key, sorted, the values aligned."""
+        if not self:
+            return ""
+        width = max(len(str(key)) for key in self) + 3
+        lines = []
+        for key in sorted(self):
+            label = f'"{key}":'
+            lines.append(f"{label:{width}s} {self[key]}")
+        return "\n".join(lines)

@@ -1,0 +1,30 @@
+"""Exception classes Lightning Fabric users catch by name."""
+
+from __future__ import annotations
+
+
+class MisconfigurationException(Exception):
+    """A setting (or a combination of settings) that cannot work; raised where the setting is read."""
+
+
+class CheckpointMismatchError(KeyError, RuntimeError):
+    """A checkpoint's keys do not fit the module they are loaded into (strict loading).
+
+    Lightning Fabric raises a RuntimeError here (as ``Module.load_state_dict`` does); earlier versions of
+    this package raised a KeyError. Deriving from both keeps ``except`` clauses written for either working.
+    """
+
+    def __str__(self) -> str:
+        # KeyError's str() quotes its argument; this message is a sentence, shown as written
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidArgumentError(TypeError, ValueError):
+    """An argument of the wrong type where Lightning Fabric raises one of TypeError/ValueError and we the other.
+
+    (``devices=1.5``: Lightning raises TypeError, this package ValueError; ``strategy=object()`` the other
+    way round.) Deriving from both, it is caught by ``except`` clauses written for either.
+    """
+
+
+__all__ = ["CheckpointMismatchError", "InvalidArgumentError", "MisconfigurationException"]
