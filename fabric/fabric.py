@@ -20,10 +20,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.accelerators import Accelerator
+from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_argument
 from fabric.connector import Connector
 from fabric.plugins.precision import Precision
 from fabric.strategies.strategy import Strategy
-from fabric.utilities.apply_func import convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
+from fabric.utilities.apply_func import all_plain_cpu_tensors, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
+from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import rank_zero_only
 from fabric.utilities.resume import gather_per_rank_states
 from fabric.utilities.seed import seed_everything as _seed_everything
@@ -65,9 +67,11 @@ class Fabric:
             plugins=plugins,
         )
         self._strategy: Strategy = connector.strategy
-        self._callbacks = _as_list(callbacks, "callbacks")
-        self._loggers = _as_list(loggers, "loggers")
+        self._callbacks = callbacks_from_argument(callbacks)
+        self._loggers = loggers_from_argument(loggers)
         self._launched = False
+        self._known_device: torch.device | None = None  # to_device's memo of whether the device is the CPU
+        self._on_cpu = False
         # one process on a local device needs no launch; anything with ranks does
         self._launch_required = getattr(self._strategy, "requires_launch", False)
 
@@ -168,16 +172,22 @@ class Fabric:
     # ---- set-up of the user's objects ---------------------------------------------------------------
 
     def setup(self, module: Module, *optimizers: Optimizer, move_to_device: bool = True) -> Any:
-        """Wrap ``module`` and ``optimizers`` for this strategy; returns them in the same order."""
+        """Wrap ``module`` and ``optimizers`` for this strategy; returns them in the same order.
+
+        A module compiled with ``torch.compile`` is wrapped inside and compiled again with the same options.
+        """
         self._check_launched("setup")
+        module, compile_context = split_compiled(module)
         self._check_module(module)
         self._check_optimizers(optimizers)
         module = self._strategy.precision.convert_module(module)
         if move_to_device:
             self._strategy.module_to_device(module)
         wrapped, wrapped_optimizers = self._strategy.setup_module_and_optimizers(module, list(optimizers))
+        if compile_context is not None:
+            wrapped = compile_again(wrapped, compile_context)
         fabric_module = FabricModule(wrapped, self._strategy, original_module=module)
-        fabric_optimizers = [FabricOptimizer(optimizer, self._strategy) for optimizer in wrapped_optimizers]
+        fabric_optimizers = [FabricOptimizer(o, self._strategy, self._callbacks) for o in wrapped_optimizers]
         self.call("on_after_setup", fabric=self, module=fabric_module)
         if not optimizers:
             return fabric_module
@@ -186,11 +196,14 @@ class Fabric:
     def setup_module(self, module: Module, move_to_device: bool = True) -> FabricModule:
         """Wrap ``module`` alone (optimizers can be set up later with ``setup_optimizers``)."""
         self._check_launched("setup_module")
+        module, compile_context = split_compiled(module)
         self._check_module(module)
         module = self._strategy.precision.convert_module(module)
         if move_to_device:
             self._strategy.module_to_device(module)
         wrapped = self._strategy.setup_module(module)
+        if compile_context is not None:
+            wrapped = compile_again(wrapped, compile_context)
         return FabricModule(wrapped, self._strategy, original_module=module)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> FabricOptimizer | tuple[FabricOptimizer, ...]:
@@ -198,7 +211,7 @@ class Fabric:
         if not optimizers:
             raise ValueError("setup_optimizers() needs at least one optimizer")
         self._check_optimizers(optimizers)
-        wrapped = [FabricOptimizer(self._strategy.setup_optimizer(o), self._strategy) for o in optimizers]
+        wrapped = [FabricOptimizer(self._strategy.setup_optimizer(o), self._strategy, self._callbacks) for o in optimizers]
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def setup_dataloaders(
@@ -214,10 +227,15 @@ class Fabric:
     def _setup_dataloader(self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool) -> FabricDataLoader:
         if isinstance(dataloader, FabricDataLoader):
             raise ValueError("This dataloader was already set up; pass each dataloader to setup_dataloaders() once")
-        if not hasattr(dataloader, "__iter__"):
-            raise TypeError(f"setup_dataloaders() takes DataLoaders (iterables), got {type(dataloader).__name__}")
+        if not isinstance(dataloader, torch.utils.data.DataLoader):
+            # as in Lightning Fabric: a list or a custom iterable cannot be sharded, so under DDP every rank
+            # would silently iterate all of the data
+            raise TypeError(
+                f"setup_dataloaders() takes torch.utils.data.DataLoader objects, got {type(dataloader).__name__};"
+                " wrap the data in a DataLoader (e.g. DataLoader(dataset, batch_size=...))"
+            )
         sampler_kwargs = self._strategy.distributed_sampler_kwargs
-        if use_distributed_sampler and sampler_kwargs is not None and isinstance(dataloader, torch.utils.data.DataLoader):
+        if use_distributed_sampler and sampler_kwargs is not None:
             from fabric.utilities.data import shard_dataloader
 
             dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
@@ -280,10 +298,15 @@ class Fabric:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, a tensor or any collection of tensors to this process's device."""
+        device = self._strategy.root_device
+        if device is not self._known_device:  # ``device.type`` costs a microsecond: asked once per device
+            self._known_device, self._on_cpu = device, device.type == "cpu"
+        if self._on_cpu and all_plain_cpu_tensors(obj):
+            return obj  # the fast path of a loop on the CPU: nothing to move, nothing to rebuild
         if isinstance(obj, Module):
             self._strategy.module_to_device(obj)
             return obj
-        return move_data_to_device(obj, self.device)
+        return move_data_to_device(obj, device)
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move a batch (any nesting of containers of tensors) to this process's device."""
@@ -373,14 +396,13 @@ class Fabric:
         return _seed_everything(seed=seed, workers=workers, verbose=verbose)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``hook_name(*args, **kwargs)`` on every callback that has such a method."""
-        for callback in self._callbacks:
-            method = getattr(callback, hook_name, None)
-            if method is None:
-                continue
-            if not callable(method):
-                raise TypeError(f"{type(callback).__name__}.{hook_name} is not callable")
-            method(*args, **kwargs)
+        """Call ``hook_name(*args, **kwargs)`` on every callback that has such a method.
+
+        Each method gets only the keyword arguments its signature accepts (all of them with ``**kwargs``),
+        so callbacks may take different subsets; an attribute of that name that is not callable is
+        skipped with a warning.
+        """
+        call_hook(self._callbacks, hook_name, args, kwargs)
 
     def log(self, name: str, value: Any, step: int | None = None) -> None:
         """Log one metric to every logger (tensors become numbers).
@@ -434,6 +456,11 @@ class Fabric:
         Without ``state``, return the whole file. Loading refuses pickled code unless ``weights_only=False``.
         """
         self._check_launched("load")  # before changing anything: the barrier at the end would fail late
+        if state is not None and not isinstance(state, dict):
+            raise TypeError(
+                f"load(state=...) takes a dict of the objects to restore (e.g. {{'model': model}}), got"
+                f" {type(state).__name__}; to load into one module or optimizer, use load_raw(path, obj)"
+            )
         unwrapped = _unwrap_all(state) if state is not None else None
         remainder = self._strategy.load_checkpoint(path, state=unwrapped, strict=strict, weights_only=weights_only)
         self.barrier()
@@ -458,14 +485,6 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
 
 def _do_nothing(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _as_list(value: Any, name: str) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return [value]
 
 
 def _unwrap_all(state: dict[str, Any]) -> dict[str, Any]:

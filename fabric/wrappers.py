@@ -7,6 +7,7 @@ state-dict keys; a ``FabricOptimizer`` is an instance of the user's optimizer cl
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -15,12 +16,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.utilities.apply_func import move_data_to_device
+from fabric.utilities.compile import split_compiled
 
 if TYPE_CHECKING:
     from fabric.strategies.strategy import Strategy
 
 _WRAPPER = "_forward_module."
-_OWN_ATTRIBUTES = frozenset({"_forward_module", "_original_module", "_strategy", "_precision", "_fast_forward", "_inner_prefix"})
+_OWN_ATTRIBUTES = frozenset(
+    {"_forward_module", "_original_module", "_strategy", "_precision", "_fast_forward", "_inner_prefix", "_forward_methods"}
+)
 
 
 class FabricModule(Module):
@@ -35,6 +39,7 @@ class FabricModule(Module):
         self._precision = strategy.precision
         self._fast_forward = strategy.precision.is_identity
         self._inner_prefix = _WRAPPER + _path_to(forward_module, self._original_module)
+        self._forward_methods: set[str] = set()
         self._register_state_dict_hook(_drop_wrapper_prefix)
         self._register_load_state_dict_pre_hook(_add_wrapper_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_report_without_prefix)
@@ -44,6 +49,33 @@ class FabricModule(Module):
     def module(self) -> Module:
         """The user's own module."""
         return self._original_module
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters (or buffers) are; the strategy's device when it has none."""
+        for tensor in self._original_module.parameters():
+            return tensor.device
+        for tensor in self._original_module.buffers():
+            return tensor.device
+        return self._strategy.root_device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's floating-point parameters (torch's default dtype when it has none)."""
+        for tensor in self._original_module.parameters():
+            if tensor.is_floating_point():
+                return tensor.dtype
+        return torch.get_default_dtype()
+
+    def mark_forward_method(self, method: str | Any) -> None:
+        """Let ``method`` (a method of the user's module, or its name) run through the strategy's wrapper.
+
+        Call it after ``setup`` for methods other than ``forward`` that run the model, e.g.
+        ``model.mark_forward_method("training_step")``; DDP then synchronizes their gradients.
+        """
+        from fabric.forward_methods import check_forward_method
+
+        self._forward_methods.add(check_forward_method(self._original_module, method))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # the hot path: ``self._forward_module`` would go through two ``__getattr__`` frames
@@ -64,7 +96,14 @@ class FabricModule(Module):
             original = self.__dict__.get("_original_module")
             if original is None:
                 raise
-            return getattr(original, name)
+            attribute = getattr(original, name)
+            if not inspect.ismethod(attribute) or self._modules.get("_forward_module") is original:
+                return attribute  # no wrapper to bypass
+            from fabric.forward_methods import refusing_bypass, through_wrapper
+
+            if name in self.__dict__.get("_forward_methods", ()):
+                return through_wrapper(self.forward, original, name)
+            return refusing_bypass(original, attribute, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # after set-up, the user's attributes belong on their module, not on the wrapper
@@ -115,14 +154,17 @@ class FabricOptimizer:
     _optimizer: Optimizer
     _strategy: Strategy
 
-    def __new__(cls, optimizer: Optimizer, strategy: Strategy) -> FabricOptimizer:
+    def __new__(cls, optimizer: Optimizer, strategy: Strategy, callbacks: list[Any] | None = None) -> FabricOptimizer:
         wrapper = object.__new__(_optimizer_class(type(optimizer)))
         wrapper.__dict__.update(_shared_attributes(optimizer))
         wrapper.__dict__["_optimizer"] = optimizer
         wrapper.__dict__["_strategy"] = strategy
+        # only the callbacks with the hook: the step stays free of work when none has it
+        hooks = [getattr(c, "on_after_optimizer_step", None) for c in callbacks or ()]
+        wrapper.__dict__["_after_step_hooks"] = [hook for hook in hooks if callable(hook)]
         return wrapper
 
-    def __init__(self, optimizer: Optimizer, strategy: Strategy) -> None:
+    def __init__(self, optimizer: Optimizer, strategy: Strategy, callbacks: list[Any] | None = None) -> None:
         pass  # everything is set in __new__; the user's optimizer __init__ must not run again
 
     @property
@@ -148,9 +190,14 @@ class FabricOptimizer:
         self._optimizer.state = state
 
     def step(self, closure: Any = None) -> Any:
+        """The strategy's step, then each callback's ``on_after_optimizer_step(strategy=..., optimizer=...)``."""
         if closure is None:
-            return self._strategy.optimizer_step(self._optimizer)
-        return self._strategy.optimizer_step(self._optimizer, closure=closure)
+            output = self._strategy.optimizer_step(self._optimizer)
+        else:
+            output = self._strategy.optimizer_step(self._optimizer, closure=closure)
+        for hook in self._after_step_hooks:
+            hook(strategy=self._strategy, optimizer=self._optimizer)
+        return output
 
     def state_dict(self) -> dict[str, Any]:
         return self._strategy.get_optimizer_state(self._optimizer)
@@ -180,7 +227,7 @@ def _shared_attributes(optimizer: Optimizer) -> dict[str, Any]:
     return {key: value for key, value in optimizer.__dict__.items() if key not in _NOT_SHARED}
 
 
-_NOT_SHARED = frozenset({"step", "state", "param_groups"})
+_NOT_SHARED = frozenset({"step", "state", "param_groups", "_after_step_hooks"})
 
 
 class FabricDataLoader:
@@ -390,7 +437,10 @@ def _set_sampler_epoch(dataloader: Any, epoch: int) -> None:
 
 
 def unwrap(obj: Any) -> Any:
-    """The user's object behind a Fabric wrapper (or ``obj`` itself)."""
+    """The user's object behind a Fabric wrapper (or ``obj`` itself); also through ``torch.compile``."""
+    inner, _ = split_compiled(obj)
+    if isinstance(inner, FabricModule):
+        return inner._original_module
     if isinstance(obj, FabricModule):
         return obj._original_module
     if isinstance(obj, FabricOptimizer):
@@ -401,4 +451,5 @@ def unwrap(obj: Any) -> Any:
 
 
 def is_wrapped(obj: Any) -> bool:
-    return isinstance(obj, (FabricModule, FabricOptimizer, FabricDataLoader))
+    """Whether ``obj`` came from ``Fabric.setup*`` (also after ``torch.compile`` of a set-up module)."""
+    return isinstance(split_compiled(obj)[0], (FabricModule, FabricOptimizer, FabricDataLoader))

@@ -182,14 +182,19 @@ def test_loader_state_follows_the_loop():
     assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["batches_consumed"] == 0
 
 
-def test_a_plain_iterable_resumes_by_skipping_items():
+class _Counting(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return (torch.tensor(i) for i in range(6))
+
+
+def test_an_iterable_dataset_resumes_by_skipping_items():
     fabric = Fabric(accelerator="cpu", devices=1)
-    loader = fabric.setup_dataloaders([torch.tensor(i) for i in range(6)])
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(_Counting(), batch_size=None))
     iterator = iter(loader)
     for _ in range(4):
         next(iterator)
     state = loader.state_dict()
-    fresh = fabric.setup_dataloaders([torch.tensor(i) for i in range(6)])
+    fresh = fabric.setup_dataloaders(torch.utils.data.DataLoader(_Counting(), batch_size=None))
     fresh.load_state_dict(state)
     assert [int(t) for t in fresh] == [4, 5]
     assert [int(t) for t in fresh] == list(range(6))  # the next epoch is whole

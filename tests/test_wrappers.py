@@ -309,8 +309,8 @@ def test_dataloader_advances_the_sampler_epoch():
     assert sampler.epochs == [0, 1, 2]
 
 
-def test_dataloader_wraps_any_iterable():
-    wrapped = fabric_for().setup_dataloaders([torch.ones(1), {"x": torch.zeros(2)}])
+def test_dataloader_wraps_any_dataloader_batch():
+    wrapped = fabric_for().setup_dataloaders(DataLoader([torch.ones(1), {"x": torch.zeros(2)}], batch_size=None))
     assert len(wrapped) == 2
     out = list(wrapped)
     assert torch.equal(out[0], torch.ones(1)) and torch.equal(out[1]["x"], torch.zeros(2))

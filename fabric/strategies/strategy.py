@@ -22,6 +22,7 @@ from fabric.plugins.io.atomic_folder import is_sharded_checkpoint
 from fabric.plugins.io.state_layout import check_entries_present, filtered
 from fabric.plugins.precision import Precision
 from fabric.utilities.apply_func import move_data_to_device
+from fabric.utilities.exceptions import CheckpointMismatchError
 from fabric.utilities.init import EmptyInit
 
 if TYPE_CHECKING:
@@ -361,7 +362,7 @@ def check_state_dict_fits(module: Module, state_dict: Any, strict: bool = True) 
         missing = [k for k in expected if k not in state_dict]
         unexpected = [k for k in state_dict if k not in expected]
         if missing or unexpected:
-            raise KeyError(
+            raise CheckpointMismatchError(
                 f"The checkpoint does not fit {type(module).__name__}: missing keys {missing},"
                 f" unexpected keys {unexpected}. Pass strict=False to load the keys that match."
             )

@@ -45,6 +45,22 @@ def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
     return apply_to_collection(batch, dtype=Transferable, function=_move)
 
 
+def all_plain_cpu_tensors(obj: Any) -> bool:
+    """Whether ``obj`` is a CPU tensor or a flat tuple/list of them: a batch with nothing to move.
+
+    Exact types only (a tensor subclass may move differently); ``is_cpu`` is the cheapest device test.
+    """
+    kind = type(obj)
+    if kind is torch.Tensor:
+        return obj.is_cpu
+    if kind is tuple or kind is list:
+        for item in obj:
+            if type(item) is not torch.Tensor or not item.is_cpu:
+                return False
+        return True
+    return False
+
+
 def convert_to_tensors(data: Any, device: torch.device) -> Any:
     """Turn Python/NumPy numbers in ``data`` into tensors on ``device`` (used before collectives)."""
     import numpy as np

@@ -292,6 +292,13 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
         raise IsADirectoryError(f"Checkpoint path {str(path)!r} is a folder, not a file")
     if path.stat().st_size == 0:
         raise CheckpointLoadError(f"Checkpoint file {str(path)!r} is empty (0 bytes)")
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    if not head.startswith(_CHECKPOINT_MAGIC):
+        raise CheckpointLoadError(
+            f"{str(path)!r} is not a checkpoint file (another kind of file, or a corrupt one): it starts with"
+            f" {head!r}, while torch.save writes a zip archive (b'PK...') or a pickle (b'\\x80...')"
+        ) from None
     safe = True if weights_only is None else bool(weights_only)
     try:
         return torch.load(path, map_location=map_location, weights_only=safe)
@@ -315,6 +322,10 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
         raise CheckpointLoadError(
             f"Checkpoint {str(path)!r} is corrupt: {type(err).__name__}: {_first_line(err)}"
         ) from None
+
+
+# the first bytes of what torch.save writes: a zip archive, or (legacy format) a pickle of protocol >= 2
+_CHECKPOINT_MAGIC = (b"PK\x03\x04", b"\x80")
 
 
 def _weights_only_reason(err: BaseException) -> str | None:

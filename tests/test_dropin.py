@@ -1,0 +1,412 @@
+"""Behaviour a Lightning Fabric user relies on when switching the import: wrappers, callbacks, helpers, errors.
+
+Each test pins one public behaviour of Lightning Fabric 2.6.6 (or a deliberate, documented difference:
+README "Differences from Lightning Fabric").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # spawn workers import ddp_scripts.dropin_checks by name
+
+from ddp_scripts import dropin_checks  # noqa: E402
+from ddp_scripts.harness import isolate  # noqa: E402
+from fabric import Fabric  # noqa: E402
+from fabric.strategies import DataParallelStrategy  # noqa: E402
+from fabric.wrappers import FabricModule, is_wrapped, unwrap  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+
+
+def cpu_fabric(**kwargs) -> Fabric:
+    return Fabric(accelerator="cpu", devices=1, **kwargs)
+
+
+def dp_fabric() -> Fabric:
+    """One process whose module is wrapped (DataParallel): the smallest set-up where a method can bypass a wrapper."""
+    return Fabric(accelerator="cpu", devices=1, strategy=DataParallelStrategy())
+
+
+# ---- FabricModule: device, dtype, methods other than forward -------------------------------------------
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
+def test_module_device_and_dtype(precision, dtype):
+    model = cpu_fabric(precision=precision).setup(nn.Linear(2, 2))
+    assert model.device == torch.device("cpu")
+    assert model.dtype == dtype
+
+
+def test_device_and_dtype_of_a_module_without_parameters():
+    model = cpu_fabric().setup(nn.ReLU())
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32
+
+
+def test_an_unmarked_method_that_bypasses_the_wrapper_raises():
+    model = dp_fabric().setup(dropin_checks.StepModel())
+    with pytest.raises(RuntimeError, match=r"StepModel.evaluate\(\).*mark_forward_method\('evaluate'\)"):
+        model.evaluate(torch.ones(2, 4))
+    # methods that run no submodule are fine; so is everything without a wrapper
+    assert model.extra_repr() == ""
+    single = cpu_fabric().setup(dropin_checks.StepModel())
+    assert single.evaluate(torch.ones(2, 4)).shape == ()
+
+
+def test_a_marked_method_runs_through_the_wrapper():
+    model = dp_fabric().setup(dropin_checks.StepModel())
+    calls = []
+    model._forward_module.register_forward_pre_hook(lambda module, args: calls.append(type(module).__name__))
+    model.mark_forward_method("training_step")
+    loss = model.training_step(torch.ones(2, 4))
+    assert calls == ["DataParallel"] and loss.shape == ()
+    assert "forward" not in model.module.__dict__  # the redirection is undone after the call
+    model.mark_forward_method(model.module.evaluate)  # a bound method works as well as its name
+    model.evaluate(torch.ones(2, 4))
+    assert calls == ["DataParallel", "DataParallel"]
+
+
+def test_mark_forward_method_checks_its_argument():
+    model = cpu_fabric().setup(dropin_checks.StepModel())
+    with pytest.raises(TypeError, match="takes a method or its name, got int"):
+        model.mark_forward_method(1)
+    with pytest.raises(ValueError, match="forward always runs through the strategy"):
+        model.mark_forward_method("forward")
+    with pytest.raises(AttributeError, match="StepModel.missing is not a method"):
+        model.mark_forward_method("missing")
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make_fabric", [cpu_fabric, dp_fabric], ids=["single_device", "dp"])
+def test_setup_of_a_compiled_module_compiles_the_wrapper_again(make_fabric):
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    compiled = torch.compile(plain, backend="eager")
+    fabric = make_fabric()
+    model, optimizer = fabric.setup(compiled, torch.optim.SGD(plain.parameters(), lr=0.1))
+    assert isinstance(model._forward_module, OptimizedModule)
+    assert model._forward_module.dynamo_ctx is compiled.dynamo_ctx  # the same backend and options
+    assert model.module is plain and unwrap(model) is plain
+    assert sorted(model.state_dict()) == sorted(plain.state_dict())  # no wrapper prefixes
+    expected = plain(torch.ones(3, 4))
+    torch.testing.assert_close(model(torch.ones(3, 4)), expected)
+    fabric.backward(model(torch.ones(3, 4)).sum())
+    optimizer.step()
+    assert all(p.grad is not None for p in plain.parameters())
+
+
+def test_is_wrapped_sees_through_compile():
+    model = cpu_fabric().setup(nn.Linear(2, 2))
+    compiled = torch.compile(model, backend="eager")
+    assert is_wrapped(compiled) and not is_wrapped(torch.compile(nn.Linear(2, 2), backend="eager"))
+    assert unwrap(compiled) is model.module
+    with pytest.raises(ValueError, match="already set up"):
+        cpu_fabric().setup(compiled)
+
+
+# ---- the real 2-process DDP job ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dropin_job")
+    with pytest.MonkeyPatch.context() as mp:
+        isolate(mp)
+        fabric = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2)
+        return fabric.launch(dropin_checks.dropin_job, str(directory))
+
+
+@pytest.mark.timeout(300)
+def test_ddp_marked_method_synchronizes_gradients(ddp_results):
+    assert ddp_results["marked_method_grads_agree"] is True
+    assert "mark_forward_method('evaluate')" in ddp_results["unmarked_method"]
+
+
+@pytest.mark.timeout(300)
+def test_ddp_compiled_module_is_wrapped_inside_and_synchronizes(ddp_results):
+    assert ddp_results["compiled_forward_module"] == "OptimizedModule"
+    assert ddp_results["compiled_inner"] == "DistributedDataParallel"
+    assert ddp_results["compiled_keys"] == ["layers.0.bias", "layers.0.weight", "layers.2.bias", "layers.2.weight"]
+    assert ddp_results["compiled_grads_agree"] is True
+
+
+@pytest.mark.timeout(300)
+def test_ddp_is_shared_filesystem(ddp_results):
+    assert ddp_results["shared_filesystem"] is True
+
+
+# ---- callbacks -------------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def on_epoch_end(self, epoch):
+        self.calls.append(("on_epoch_end", {"epoch": epoch}))
+
+    def on_after_optimizer_step(self, strategy, optimizer):
+        self.calls.append(("on_after_optimizer_step", {"strategy": strategy, "optimizer": optimizer}))
+
+
+class TakesEverything:
+    def __init__(self) -> None:
+        self.kwargs: dict = {}
+
+    def on_epoch_end(self, **kwargs):
+        self.kwargs = kwargs
+
+
+def test_call_passes_each_callback_only_what_it_accepts():
+    narrow, wide = Recorder(), TakesEverything()
+    fabric = cpu_fabric(callbacks=[narrow, wide])
+    fabric.call("on_epoch_end", epoch=3, loss=0.5)
+    assert narrow.calls == [("on_epoch_end", {"epoch": 3})]
+    assert wide.kwargs == {"epoch": 3, "loss": 0.5}
+
+
+def test_a_callback_attribute_that_is_not_callable_is_skipped_with_a_warning():
+    class Odd:
+        on_epoch_end = 5
+
+    recorder = Recorder()
+    fabric = cpu_fabric(callbacks=[Odd(), recorder])
+    with pytest.warns(UserWarning, match="Odd.on_epoch_end: it is not callable"):
+        fabric.call("on_epoch_end", epoch=1)
+    assert recorder.calls == [("on_epoch_end", {"epoch": 1})]
+
+
+def test_optimizer_step_calls_on_after_optimizer_step():
+    recorder = Recorder()
+    fabric = cpu_fabric(callbacks=recorder)
+    model, optimizer = fabric.setup(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
+    optimizer.step()
+    optimizer.step(closure=lambda: torch.tensor(0.0))
+    assert [name for name, _ in recorder.calls] == ["on_after_optimizer_step"] * 2
+    kwargs = recorder.calls[0][1]
+    assert kwargs["strategy"] is fabric.strategy and kwargs["optimizer"] is optimizer.optimizer
+    separately = fabric.setup_optimizers(torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
+    separately.step()
+    assert len(recorder.calls) == 3
+
+
+@pytest.mark.parametrize("argument", [{"callbacks": 5}, {"callbacks": "mine"}, {"callbacks": [Recorder(), 1.5]}])
+def test_callbacks_of_a_wrong_type(argument):
+    with pytest.raises(TypeError, match=r"Fabric\(callbacks=...\) got"):
+        cpu_fabric(**argument)
+
+
+@pytest.mark.parametrize("loggers", ["x", 3, [object()]])
+def test_loggers_of_a_wrong_type(loggers):
+    with pytest.raises(TypeError, match=r"Fabric\(loggers=...\) got .*anything with log_metrics"):
+        cpu_fabric(loggers=loggers)
+
+
+# ---- input checks and errors -------------------------------------------------------------------------------------
+
+
+def test_setup_dataloaders_refuses_what_is_not_a_dataloader():
+    fabric = cpu_fabric()
+    with pytest.raises(TypeError, match="takes torch.utils.data.DataLoader objects, got list"):
+        fabric.setup_dataloaders([torch.ones(2), torch.zeros(2)])
+    with pytest.raises(TypeError, match="got generator"):
+        fabric.setup_dataloaders(x for x in range(3))
+
+
+def test_no_backward_sync_needs_a_set_up_module():
+    with pytest.raises(TypeError, match="takes the module returned by setup"):
+        with cpu_fabric().no_backward_sync(nn.Linear(2, 2)):
+            pass
+
+
+@pytest.mark.parametrize("devices", [1.5, object(), [0], "abc", True])
+def test_devices_of_a_wrong_type_raise_type_error(devices):
+    with pytest.raises(TypeError, match="is not valid for the CPU accelerator"):
+        Fabric(accelerator="cpu", devices=devices)
+    with pytest.raises(ValueError):  # and, as before, a ValueError
+        Fabric(accelerator="cpu", devices=devices)
+
+
+def test_a_strategy_of_a_wrong_type_raises_value_error():
+    with pytest.raises(ValueError, match="must be a name or a Strategy instance, not object"):
+        Fabric(accelerator="cpu", strategy=object())
+
+
+def test_strict_key_mismatch_is_a_runtime_error_and_a_key_error(tmp_path):
+    from fabric.utilities.exceptions import CheckpointMismatchError
+
+    fabric = cpu_fabric()
+    path = tmp_path / "other.pt"
+    torch.save({"other.weight": torch.ones(1)}, path)
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    for load in (lambda: fabric.load_raw(path, model), lambda: fabric.load(tmp_path / "full.pt", {"model": model})):
+        fabric.save(tmp_path / "full.pt", {"model": {"other.weight": torch.ones(1)}})
+        with pytest.raises(RuntimeError, match="missing keys") as info:
+            load()
+        assert isinstance(info.value, KeyError) and isinstance(info.value, CheckpointMismatchError)
+        assert "does not fit Linear" in str(info.value) and not str(info.value).startswith('"')
+    assert torch.equal(model.weight, before)
+
+
+def test_load_with_a_state_that_is_not_a_dict(tmp_path):
+    fabric = cpu_fabric()
+    fabric.save(tmp_path / "c.pt", {"step": 1})
+    with pytest.raises(TypeError, match=r"load\(state=...\) takes a dict .* got str"):
+        fabric.load(tmp_path / "c.pt", state="notadict")
+
+
+def test_loading_a_text_file_says_it_is_no_checkpoint(tmp_path):
+    from fabric.plugins.io import CheckpointLoadError
+
+    path = tmp_path / "notes.txt"
+    path.write_text("these are my notes, not a checkpoint\n")
+    with pytest.raises(CheckpointLoadError, match="is not a checkpoint file") as info:
+        cpu_fabric().load(path)
+    assert "KeyError" not in str(info.value) and str(path) in str(info.value)
+
+
+# ---- to_device -------------------------------------------------------------------------------------------------------
+
+
+def test_to_device_returns_what_is_already_on_the_device():
+    fabric = cpu_fabric()
+    x, y = torch.ones(2), torch.zeros(2)
+    pair, listed = (x, y), [x, y]
+    assert fabric.to_device(pair) is pair and fabric.to_device(listed) is listed and fabric.to_device(x) is x
+    nested = {"x": x, "more": (y, 3)}
+    moved = fabric.to_device(nested)
+    assert moved["x"] is x and moved["more"][0] is y and moved["more"][1] == 3
+    module = nn.Linear(2, 2)
+    assert fabric.to_device(module) is module
+
+
+def test_to_device_moves_what_is_elsewhere():
+    fabric = Fabric(accelerator="cpu", devices=1, precision="64-true")
+    meta_pair = (torch.empty(2, device="meta"), torch.ones(2))
+
+    class Recording(torch.Tensor):
+        pass
+
+    sub = torch.ones(2).as_subclass(Recording)
+    assert fabric.to_device(sub).device.type == "cpu"  # a subclass takes the general path
+    with pytest.raises(NotImplementedError):  # meta tensors have no data: the move is really attempted
+        fabric.to_device(meta_pair)
+
+
+# ---- public helpers with Lightning's names ----------------------------------------------------------------------------
+
+
+def test_data_helpers():
+    from fabric.utilities.data import AttributeDict, has_iterable_dataset, has_len, sized_len, suggested_max_num_workers
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    assert has_iterable_dataset(DataLoader(Stream())) and not has_iterable_dataset(DataLoader(range(3)))
+    assert has_len(DataLoader(range(3))) and not has_len(DataLoader(Stream()))
+    with pytest.warns(UserWarning, match="has length 0"):
+        assert has_len([])
+    assert sized_len([1, 2]) == 2 and sized_len(iter([1])) is None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert suggested_max_num_workers(1) == max(1, cpus - 1)
+    assert suggested_max_num_workers(10_000) == 1
+    with pytest.raises(ValueError, match="local_world_size=0 must be >= 1"):
+        suggested_max_num_workers(0)
+
+    hparams = AttributeDict(lr=0.1, batch_size=32)
+    hparams.epochs = 3
+    assert hparams["epochs"] == 3 and hparams.lr == 0.1
+    del hparams.epochs
+    assert "epochs" not in hparams
+    with pytest.raises(AttributeError, match="'AttributeDict' object has no attribute 'nope'"):
+        hparams.nope
+    assert repr(hparams) == '"batch_size": 32\n"lr":         0.1'
+    assert repr(AttributeDict()) == ""
+
+
+def test_distributed_sampler_wrapper_behaves_like_distributed_sampler():
+    from torch.utils.data import DistributedSampler
+
+    from fabric.utilities.distributed import DistributedSamplerWrapper, ReduceOp, group, is_shared_filesystem
+
+    data = list(range(8))
+    wrapped = DistributedSamplerWrapper(SequentialSampler(data), num_replicas=2, rank=0)
+    plain = DistributedSampler(data, num_replicas=2, rank=0)  # shuffle=True by default, in both
+    assert list(wrapped) == list(plain) != [0, 2, 4, 6]
+    ordered = DistributedSamplerWrapper(SequentialSampler(data), num_replicas=2, rank=1, shuffle=False)
+    assert list(ordered) == [1, 3, 5, 7]
+
+    class EpochAware(SequentialSampler):
+        epoch = None
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    inner = EpochAware(data)
+    DistributedSamplerWrapper(inner, num_replicas=2, rank=0).set_epoch(4)
+    assert inner.epoch == 4
+    assert ReduceOp.SUM is torch.distributed.ReduceOp.SUM and group.WORLD is torch.distributed.group.WORLD
+    assert is_shared_filesystem(cpu_fabric().strategy)  # one process: trivially shared
+
+
+def test_rank_zero_helpers(monkeypatch, caplog, recwarn):
+    from fabric.utilities import rank_zero
+
+    with caplog.at_level(logging.DEBUG, logger="fabric"):
+        rank_zero.rank_zero_info("hello %s", "info")
+        rank_zero.rank_zero_debug("hello debug")
+        rank_zero.rank_zero_warn("careful")
+        rank_zero.rank_zero_deprecation("old")
+        monkeypatch.setattr(rank_zero.rank_zero_only, "rank", 1)
+        rank_zero.rank_zero_info("not on rank 1")
+        rank_zero.rank_zero_warn("not on rank 1")
+    assert [r.getMessage() for r in caplog.records] == ["hello info", "hello debug"]
+    assert [(type(w.message), str(w.message)) for w in recwarn] == [
+        (UserWarning, "careful"),
+        (rank_zero.LightningDeprecationWarning, "old"),
+    ]
+    assert rank_zero.rank_prefixed_message("x", 2) == "[rank: 2] x"
+    cache = rank_zero.WarningCache()
+    monkeypatch.setattr(rank_zero.rank_zero_only, "rank", 0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cache.warn("once")
+        cache.warn("once")
+    assert len(seen) == 1
+
+
+def test_misconfiguration_exception():
+    from fabric.utilities.exceptions import MisconfigurationException
+
+    assert issubclass(MisconfigurationException, Exception)
+    with pytest.raises(MisconfigurationException, match="bad"):
+        raise MisconfigurationException("bad")
+
+
+def test_find_usable_cuda_devices_without_gpus():
+    from fabric.accelerators.cuda import find_usable_cuda_devices
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the behaviour on a machine without GPUs")
+    assert find_usable_cuda_devices(0) == []
+    with pytest.raises(ValueError, match="no CUDA devices"):
+        find_usable_cuda_devices(1)
+    with pytest.raises(ValueError, match="num_devices=-2"):
+        find_usable_cuda_devices(-2)
