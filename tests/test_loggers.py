@@ -18,6 +18,7 @@ import torch
 
 from fabric import Fabric
 from fabric.loggers import CSVLogger, Logger, TensorBoardLogger
+from fabric.loggers.logger import DEFAULT_NAME
 from fabric.utilities.rank_zero import rank_zero_only
 from multinode_scripts.support import PYTHON, SCRIPTS, fabric_run, run
 
@@ -111,9 +112,33 @@ def test_csv_continues_an_existing_version(tmp_path: Path) -> None:
     again = CSVLogger(tmp_path, version=0)
     again.log_metrics({"loss": 0.5}, step=1)
     again.log_metrics({"loss": 0.4, "lr": 0.1}, step=2)
-    again.finalize("success")
+    # Lightning Fabric warns here (and deletes the file); we warn and continue it
+    with pytest.warns(UserWarning, match=r"version_0 exists and is not empty; its metrics.csv \(if any\) is continued"):
+        again.finalize("success")
     assert _rows(Path(again.metrics_file_path)) == [
         {"step": "0", "loss": "1.0", "lr": ""}, {"step": "1", "loss": "0.5", "lr": ""}, {"step": "2", "loss": "0.4", "lr": "0.1"}]
+
+
+@pytest.mark.timeout(10)
+def test_csv_warns_once_about_a_folder_with_files_only(tmp_path: Path, recwarn: Any) -> None:
+    fresh = CSVLogger(tmp_path, version=0)
+    fresh.log_hyperparams({"lr": 0.1})
+    fresh.log_metrics({"loss": 1.0})
+    fresh.save()
+    assert len(recwarn) == 0  # its own files do not count
+    (tmp_path / DEFAULT_NAME / "version_1").mkdir(parents=True)
+    empty = CSVLogger(tmp_path, version=1)
+    empty.log_metrics({"loss": 1.0})
+    empty.save()
+    assert len(recwarn) == 0  # an empty folder is no reason to warn
+    (tmp_path / DEFAULT_NAME / "version_2").mkdir()
+    (tmp_path / DEFAULT_NAME / "version_2" / "notes.txt").write_text("x")
+    other = CSVLogger(tmp_path, version=2)
+    with pytest.warns(UserWarning, match="version_2 exists and is not empty"):
+        other.log_hyperparams({"lr": 0.2})
+    other.log_metrics({"loss": 1.0})
+    other.save()
+    assert len(recwarn) == 0  # once: not again when the metrics are written
 
 
 @pytest.mark.timeout(10)
@@ -195,6 +220,35 @@ def test_tensorboard_writes_scalars_and_hparams(tmp_path: Path) -> None:
     assert start.hparams["opt/name"].string_value == "adam" and start.hparams["device"].string_value == "cpu"
     assert events.Graph() is not None
     assert TensorBoardLogger(tmp_path, name="exp").version == 1
+
+
+@pytest.mark.timeout(30)
+def test_tensorboard_expands_home_and_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RUNS_FOLDER", "runs")
+    logger = TensorBoardLogger("~/$RUNS_FOLDER", name="exp")
+    assert logger.root_dir == str(tmp_path / "home" / "runs")
+    assert logger.log_dir == str(tmp_path / "home" / "runs" / "exp" / "version_0")
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert (tmp_path / "home" / "runs" / "exp" / "version_0").is_dir()
+    assert not Path("~").exists() and not Path("$RUNS_FOLDER").exists()
+
+
+@pytest.mark.timeout(30)
+def test_tensorboard_log_graph_without_an_input_warns_and_skips(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path)
+    with pytest.warns(UserWarning, match="log_graph\\(\\) skipped: pass input_array"):
+        logger.log_graph(torch.nn.Linear(2, 1))
+    with pytest.warns(UserWarning, match="log_graph\\(\\) skipped: the input is a list"):
+        logger.log_graph(torch.nn.Linear(2, 1), [torch.zeros(1, 2)])
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    assert not events.Tags()["graph"]
 
 
 @pytest.mark.timeout(10)

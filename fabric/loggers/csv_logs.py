@@ -59,6 +59,7 @@ class CSVLogger(FolderLogger):
         self._columns: list[str] | None = None  # the header of the file on disk (None: not read yet)
         self._logged_rows = 0
         self._hparams: dict[str, Any] = {}
+        self._checked_folder = False
         self._save_at_exit()
 
     def _save_at_exit(self) -> None:
@@ -105,6 +106,7 @@ class CSVLogger(FolderLogger):
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         """Merge ``params`` into ``hparams.json`` (written at once; values JSON cannot hold become strings)."""
         self._hparams.update(params_to_dict(params))
+        self._warn_if_folder_has_files()
         os.makedirs(self.log_dir, exist_ok=True)
         path = os.path.join(self.log_dir, HPARAMS_FILE)
         _write_atomically(path, json.dumps(_jsonable(self._hparams), indent=2, sort_keys=True) + "\n")
@@ -114,6 +116,7 @@ class CSVLogger(FolderLogger):
         """Write the buffered rows: appended, or the whole file rewritten when new columns appeared."""
         if not self._rows:
             return
+        self._warn_if_folder_has_files()
         os.makedirs(self.log_dir, exist_ok=True)
         path = self.metrics_file_path
         if self._columns is None:
@@ -136,6 +139,22 @@ class CSVLogger(FolderLogger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         self.save()
+
+    def _warn_if_folder_has_files(self) -> None:
+        """Before the first write: warn (as Lightning Fabric does) when the version folder already has files.
+
+        Unlike Lightning Fabric, which then deletes its ``metrics.csv``, the file is continued: nothing is lost.
+        """
+        if self._checked_folder:
+            return
+        self._checked_folder = True
+        if os.path.isdir(self.log_dir) and os.listdir(self.log_dir):
+            from fabric.utilities.rank_zero import rank_zero_warn
+
+            rank_zero_warn(
+                f"The log folder {self.log_dir} exists and is not empty; its {METRICS_FILE} (if any) is continued."
+                " Pass another version (or none, for the next free one) to start a fresh run."
+            )
 
 
 def _read_header(path: str) -> list[str]:

@@ -33,7 +33,8 @@ class TensorBoardLogger(FolderLogger):
     """Log to ``root_dir/name/version_N[/sub_dir]`` in TensorBoard's event-file format.
 
     Args:
-        root_dir: the folder for all experiments (``tensorboard --logdir root_dir``).
+        root_dir: the folder for all experiments (``tensorboard --logdir root_dir``); ``~`` and ``$VARS`` in
+            it are expanded.
         name: the experiment's folder under ``root_dir``.
         version: None takes the next free ``version_N``; an int N means ``version_N``; a str is used as is.
         default_hp_metric: with ``log_hyperparams(params)`` and no metrics, also log ``hp_metric=-1`` so
@@ -60,7 +61,7 @@ class TensorBoardLogger(FolderLogger):
         except ImportError as err:  # torch raises ImportError when tensorboard is absent
             raise ImportError(_INSTALL_HINT) from err
         self._writer_class = SummaryWriter
-        super().__init__(root_dir, name, version)
+        super().__init__(os.path.expanduser(os.path.expandvars(os.fspath(root_dir))), name, version)
         self._default_hp_metric = default_hp_metric
         self._prefix = prefix
         self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
@@ -113,10 +114,24 @@ class TensorBoardLogger(FolderLogger):
 
     @rank_zero_only
     def log_graph(self, model: Any, input_array: Any = None) -> None:
-        """Trace ``model`` with ``input_array`` (or its ``example_input_array``) and show the graph."""
+        """Trace ``model`` with ``input_array`` (or its ``example_input_array``) and show the graph.
+
+        Without an input there is nothing to trace: a warning, and no graph (as in Lightning Fabric).
+        """
+        import torch
+
+        from fabric.utilities.rank_zero import rank_zero_warn
+
         example = input_array if input_array is not None else getattr(model, "example_input_array", None)
         if example is None:
-            raise ValueError("log_graph() needs input_array (or a model with an example_input_array) to trace the model")
+            rank_zero_warn("log_graph() skipped: pass input_array (or give the model an example_input_array) to trace it")
+            return
+        if not isinstance(example, (torch.Tensor, tuple)):
+            rank_zero_warn(
+                f"log_graph() skipped: the input is a {type(example).__name__}; TensorBoard traces a tensor or a"
+                " tuple of forward()'s positional arguments"
+            )
+            return
         module = getattr(model, "module", model)  # a FabricModule / DDP wrapper traces as its inner module
         self.experiment.add_graph(module, example)
 
