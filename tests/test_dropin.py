@@ -410,3 +410,48 @@ def test_find_usable_cuda_devices_without_gpus():
         find_usable_cuda_devices(1)
     with pytest.raises(ValueError, match="num_devices=-2"):
         find_usable_cuda_devices(-2)
+
+
+# ---- a script in the style of Lightning Fabric's examples ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_a_lightning_style_script_runs_on_one_process(tmp_path, subprocess_env):
+    import json
+    import subprocess
+
+    script = TESTS / "dropin_scripts" / "lightning_style.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=subprocess_env, capture_output=True, text=True, timeout=200
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    losses = results["classifier"]["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert results["classifier"]["accuracy"] > 70
+    assert "epoch 3: test loss" in result.stdout
+    assert "Seed set to 42" in result.stderr  # shown by default, as Lightning Fabric shows it
+    assert len(results["kfold"]["fold_accuracies"]) == 3 and all(0 <= a <= 1 for a in results["kfold"]["fold_accuracies"])
+    assert all(map(lambda v: v == v, results["gan"]["d_losses"] + results["gan"]["g_losses"]))  # no NaN
+    assert sorted(torch.load(tmp_path / "classifier.pt", weights_only=True)["model"]) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_devices_inputs_and_batches():
+    from fabric.accelerators.cuda import find_usable_cuda_devices
+
+    assert find_usable_cuda_devices(1) == [0] and find_usable_cuda_devices() == list(range(torch.cuda.device_count()))
+    fabric = Fabric(accelerator="cuda", devices=1, precision="bf16-mixed")
+    seen = {}
+
+    class Probe(nn.Linear):
+        def forward(self, x):
+            seen["input"] = x.dtype
+            return super().forward(x)
+
+    model = fabric.setup(Probe(4, 2))
+    assert model.device == fabric.device and model.device.type == "cuda" and model.dtype == torch.float32
+    x, y = fabric.to_device((torch.ones(3, 4), torch.zeros(3)))
+    assert x.device == fabric.device and y.device == fabric.device
+    assert fabric.to_device(x) is x
+    assert model(x).dtype == torch.float32 and seen["input"] == torch.bfloat16
