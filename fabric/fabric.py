@@ -371,6 +371,19 @@ class Fabric:
         self._check_launched("reduce_boolean_decision")
         return self._strategy.reduce_boolean_decision(decision, all=all)
 
+    @property
+    def preempted(self) -> bool:
+        """Whether the cluster warned any rank that it will take the machine (SIGTERM or SIGUSR1).
+
+        A collective: read it on every rank at the same point of the loop (e.g. after each optimizer
+        step); every rank gets the same answer, so all of them save and stop at the same step. The first
+        read starts listening for the signals (docs/preemption.md).
+        """
+        self._check_launched("preempted")
+        from fabric.utilities.preemption import preempted
+
+        return preempted(self._strategy)
+
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Generator[None, None, None]:
         """Let rank 0 (of each node with ``local=True``) run the block first, e.g. to download data once."""

@@ -138,6 +138,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {}
         if self._timeout is not None:
             kwargs["timeout"] = self._timeout
+        store = _restart_attempt_store(env.main_address, env.main_port, self.world_size, self._timeout)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
         # Leaving the group explicitly at exit is cheap (~10 ms); left to the destructors, a gloo group can
         # hold the interpreter's exit up by half a second, which every rank of every job pays.
@@ -318,6 +321,20 @@ class _DDPBackwardSyncControl(BackwardSyncControl):
                 f" returned, got {type(module).__name__}"
             )
         return module.no_sync()
+
+
+def _restart_attempt_store(host: str, port: int, world_size: int, timeout: timedelta | None) -> Any:
+    """Under torchrun, a store of this restart attempt's own; None elsewhere (torch's env:// store is fine).
+
+    torchrun's agent keeps one store for the whole job (static and c10d rendezvous alike), and the
+    ranks of every attempt rendezvous in it. Without a prefix per attempt, a restarted rank reads the
+    failed attempt's keys (its peers' old gloo addresses) and fails with "Connection refused".
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout or timedelta(minutes=30))
+    return dist.PrefixStore(f"fabric/attempt_{attempt}", client)
 
 
 def _destroy_process_group_at_exit() -> None:
