@@ -35,8 +35,11 @@ def cpu_fabric(**kwargs) -> Fabric:
 
 
 def dp_fabric() -> Fabric:
-    """One process whose module is wrapped (DataParallel): the smallest set-up where a method can bypass a wrapper."""
-    return Fabric(accelerator="cpu", devices=1, strategy=DataParallelStrategy())
+    """One process whose module is wrapped (DataParallel): the smallest set-up where a method can bypass a wrapper.
+
+    (On a machine with a GPU, DataParallel always uses the GPUs, so the test does too.)
+    """
+    return Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, strategy=DataParallelStrategy())
 
 
 # ---- FabricModule: device, dtype, methods other than forward -------------------------------------------
@@ -55,9 +58,10 @@ def test_device_and_dtype_of_a_module_without_parameters():
 
 
 def test_an_unmarked_method_that_bypasses_the_wrapper_raises():
-    model = dp_fabric().setup(dropin_checks.StepModel())
+    fabric = dp_fabric()
+    model = fabric.setup(dropin_checks.StepModel())
     with pytest.raises(RuntimeError, match=r"StepModel.evaluate\(\).*mark_forward_method\('evaluate'\)"):
-        model.evaluate(torch.ones(2, 4))
+        model.evaluate(fabric.to_device(torch.ones(2, 4)))
     # methods that run no submodule are fine; so is everything without a wrapper
     assert model.extra_repr() == ""
     single = cpu_fabric().setup(dropin_checks.StepModel())
@@ -99,13 +103,14 @@ def test_setup_of_a_compiled_module_compiles_the_wrapper_again(make_fabric):
     compiled = torch.compile(plain, backend="eager")
     fabric = make_fabric()
     model, optimizer = fabric.setup(compiled, torch.optim.SGD(plain.parameters(), lr=0.1))
+    ones = fabric.to_device(torch.ones(3, 4))
     assert isinstance(model._forward_module, OptimizedModule)
     assert model._forward_module.dynamo_ctx is compiled.dynamo_ctx  # the same backend and options
     assert model.module is plain and unwrap(model) is plain
     assert sorted(model.state_dict()) == sorted(plain.state_dict())  # no wrapper prefixes
-    expected = plain(torch.ones(3, 4))
-    torch.testing.assert_close(model(torch.ones(3, 4)), expected)
-    fabric.backward(model(torch.ones(3, 4)).sum())
+    expected = plain(ones)
+    torch.testing.assert_close(model(ones), expected)
+    fabric.backward(model(ones).sum())
     optimizer.step()
     assert all(p.grad is not None for p in plain.parameters())
 
@@ -455,3 +460,23 @@ def test_on_a_gpu_devices_inputs_and_batches():
     assert x.device == fabric.device and y.device == fabric.device
     assert fabric.to_device(x) is x
     assert model(x).dtype == torch.float32 and seen["input"] == torch.bfloat16
+
+
+@pytest.mark.timeout(180)
+def test_dp_on_the_cpu_runs_ddp_with_sharded_data(tmp_path):
+    import json
+    import subprocess
+
+    from ddp_scripts.harness import job_environment
+
+    script = TESTS / "dropin_scripts" / "dp_on_cpu.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=job_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=150
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "strategy='dp' is not supported on the CPU; using strategy='ddp'" in result.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["strategy"] == "DDPStrategy" and r["world_size"] == 2 for r in ranks)
+    # each rank got its own half (DataParallel would have handed this one process all of it)
+    assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(8))
+    assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
