@@ -115,6 +115,16 @@ def test_setup_of_a_compiled_module_compiles_the_wrapper_again(make_fabric):
     assert all(p.grad is not None for p in plain.parameters())
 
 
+def test_setup_module_of_a_compiled_module():
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    plain = nn.Linear(3, 2)
+    model = dp_fabric().setup_module(torch.compile(plain, backend="eager"))
+    assert isinstance(model._forward_module, OptimizedModule) and model.module is plain
+    assert type(model._forward_module._orig_mod).__name__ == "DataParallel"
+    assert sorted(model.state_dict()) == ["bias", "weight"]
+
+
 def test_is_wrapped_sees_through_compile():
     model = cpu_fabric().setup(nn.Linear(2, 2))
     compiled = torch.compile(model, backend="eager")
