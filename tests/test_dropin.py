@@ -490,3 +490,21 @@ def test_dp_on_the_cpu_runs_ddp_with_sharded_data(tmp_path):
     # each rank got its own half (DataParallel would have handed this one process all of it)
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(8))
     assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
+
+
+def test_utilities_package_names_and_possible_user_warnings():
+    import fabric.utilities as utilities
+    from fabric.utilities.warnings import PossibleUserWarning, disable_possible_user_warnings
+
+    for name in ("AttributeDict", "suggested_max_num_workers", "is_shared_filesystem", "Throughput", "ThroughputMonitor",
+                 "measure_flops", "move_data_to_device", "rank_zero_deprecation", "rank_zero_info", "rank_zero_only",
+                 "rank_zero_warn", "disable_possible_user_warnings"):  # fmt: skip
+        assert callable(getattr(utilities, name)), name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        utilities.nothing
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        disable_possible_user_warnings()
+        warnings.warn("maybe a mistake", PossibleUserWarning)
+        warnings.warn("a real one", UserWarning)
+    assert [str(w.message) for w in seen] == ["a real one"]
