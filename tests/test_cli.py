@@ -89,7 +89,7 @@ def test_the_cli_module_imports_no_torch() -> None:
     ("args", "expected"),
     [
         (["--accelerator", "tpu"], ["'tpu'", "cpu", "cuda", "mps"]),
-        (["--strategy", "fsdp"], ["'fsdp'", "ddp", "dp"]),
+        (["--strategy", "deepspeed"], ["'deepspeed'", "ddp", "fsdp"]),
         (["--strategy", "ddp_spawn"], ["'ddp_spawn'", "starts its own processes", "ddp"]),
         (["--strategy", "horovod"], ["'horovod'", "horovodrun"]),
         (["--precision", "8"], ["'8'", "bf16-mixed", "32-true"]),
