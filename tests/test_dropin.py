@@ -472,24 +472,39 @@ def test_on_a_gpu_devices_inputs_and_batches():
     assert model(x).dtype == torch.float32 and seen["input"] == torch.bfloat16
 
 
-@pytest.mark.timeout(180)
-def test_dp_on_the_cpu_runs_ddp_with_sharded_data(tmp_path):
+def run_two_rank_script(name: str, outdir: Path) -> tuple[list[dict], str]:
+    """Run ``dropin_scripts/<name>`` as a 2-process popen job; return each rank's JSON report and stderr."""
     import json
     import subprocess
 
     from ddp_scripts.harness import job_environment
 
-    script = TESTS / "dropin_scripts" / "dp_on_cpu.py"
+    script = TESTS / "dropin_scripts" / name
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=job_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=150
+        [sys.executable, str(script), str(outdir)], env=job_environment(), cwd=outdir, capture_output=True, text=True, timeout=150
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "strategy='dp' is not supported on the CPU; using strategy='ddp'" in result.stderr
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)], result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_dp_on_the_cpu_runs_ddp_with_sharded_data(tmp_path):
+    ranks, stderr = run_two_rank_script("dp_on_cpu.py", tmp_path)
+    assert "strategy='dp' is not supported on the CPU; using strategy='ddp'" in stderr
     assert all(r["strategy"] == "DDPStrategy" and r["world_size"] == 2 for r in ranks)
     # each rank got its own half (DataParallel would have handed this one process all of it)
     assert sorted(ranks[0]["seen"] + ranks[1]["seen"]) == list(range(8))
     assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_compiled_module_is_sharded_inside_and_trains(tmp_path):
+    ranks, _ = run_two_rank_script("compiled_fsdp.py", tmp_path)
+    for report in ranks:
+        assert report["outer"] == "OptimizedModule" and report["inner"].startswith("FSDP")
+        assert report["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert ranks[0]["losses"] == ranks[1]["losses"]  # one model: the mean loss agrees on both ranks
+    assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 
 
 def test_utilities_package_names_and_possible_user_warnings():
