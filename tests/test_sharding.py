@@ -141,6 +141,18 @@ def test_clip_norm_refuses_nonfinite_gradients():
         clip_grad_norm_over_shards([param], 1.0)
 
 
+@pytest.mark.timeout(240)
+def test_model_parallel_under_the_spawn_launcher(clean_env):
+    """start_method="spawn": two workers run the function; rank 0's result comes back here."""
+    from sharding_scripts.model import parallelize
+    from sharding_scripts.train_job import spawned_check
+
+    strategy = ModelParallelStrategy(parallelize, start_method="spawn")
+    result = Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(spawned_check)
+    assert result["world_size"] == 2 and result["mesh"] == (1, 2)
+    assert len(result["norms"]) == 2 and all(n > 0 for n in result["norms"])
+
+
 # ---- real jobs -------------------------------------------------------------------------------------------
 
 

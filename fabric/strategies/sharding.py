@@ -51,6 +51,17 @@ class ShardedStrategy(ProcessGroupStrategy):
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()  # to find an optimizer's module
         self._full_checkpoints = False  # True: one file from rank 0 instead of a folder of shards
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Spawn-style launchers pickle the strategy: the weak sets (of this process's objects) stay behind."""
+        state = self.__dict__.copy()
+        state["_replaced_parameters"] = state["_sharded_modules"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._replaced_parameters = weakref.WeakSet()
+        self._sharded_modules = weakref.WeakSet()
+
     @property
     def device_mesh(self) -> Any:
         """The ``DeviceMesh`` of this job's ranks (exists once the process group does)."""

@@ -193,6 +193,14 @@ def resume_check(strategy: Any, path: Path, after3: dict[str, torch.Tensor], aft
     return {"loaded_diff": loaded, "resumed_diff": max_difference(full_parameters(model.module), after5), "remainder": remainder}
 
 
+def spawned_check(fabric: Fabric) -> dict[str, Any]:
+    """Run by ``fabric.launch(spawned_check)`` in workers that a spawn-style strategy started."""
+    model = fabric.setup_module(make_net())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+    norms = train(fabric, model, optimizer, 2, clip=True)
+    return {"world_size": fabric.world_size, "mesh": tuple(fabric.strategy.device_mesh.shape), "norms": norms}
+
+
 def main() -> None:
     outdir = Path(sys.argv[1])
     world = int(__import__("os").environ["WORLD_SIZE"])
