@@ -211,6 +211,17 @@ def test_fsdp_training_equals_one_process_at_2(job2, check):
 
 
 @pytest.mark.timeout(480)
+def test_bf16_mixed_under_fsdp(job2):
+    for rank, results in _ranks(job2):
+        measured = results["bf16_mixed"]
+        assert measured["output_dtype"] == torch.float32 and measured["param_dtype"] == torch.float32
+        assert measured["autocast_dtype"] == torch.bfloat16
+        # bfloat16 arithmetic: close to float32, not equal; and it trains
+        assert 1e-5 < measured["relative_output_diff"] < 5e-2, measured
+        assert measured["losses"][-1] < measured["losses"][0], measured
+
+
+@pytest.mark.timeout(480)
 def test_fsdp_shards_parameters_at_2(job2):
     assert job2[0]["fsdp"]["local_numel"] * 2 == job2[0]["no_shard"]["local_numel"]
 
@@ -259,11 +270,26 @@ def test_sharded_and_full_checkpoints_resume_exactly_at_2(job2):
     as an uninterrupted run (so the optimizer state came back too)."""
     for rank, results in _ranks(job2):
         saved = results["checkpoint"]
-        assert saved["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric_state.pt"]
+        assert saved["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric-objects.pt"]
+        assert saved["load_raw_diff"] <= TOLERANCE
         for name in ("sharded", "full.pt"):
             assert saved[name]["loaded_diff"] <= TOLERANCE and saved[name]["resumed_diff"] <= TOLERANCE, (rank, name, saved[name])
             assert saved[name]["remainder"] == {"step": 3}
     assert job2[0]["checkpoint"]["full_file_diff"] <= TOLERANCE and job2[0]["checkpoint"]["full_file_step"] == 3
+
+
+@pytest.mark.timeout(480)
+def test_folder_of_shards_loads_into_a_plain_model_in_this_process(job2):
+    from fabric.plugins.io.sharded import load_sharded
+    from sharding_scripts.model import make_net, max_difference, reference_run
+
+    model = make_net(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    remainder = load_sharded(job2["outdir"] / "checkpoints" / "sharded", {"model": model, "optimizer": optimizer})
+    assert remainder == {"step": 3}
+    after3, _ = reference_run(3, None)
+    assert max_difference(dict(model.named_parameters()), after3) <= TOLERANCE
+    assert len(optimizer.state) == len(list(model.parameters()))  # AdamW's moments came back too
 
 
 @pytest.mark.timeout(480)

@@ -151,29 +151,50 @@ class ShardedStrategy(ProcessGroupStrategy):
         """Where the shards of a meta-device module are allocated."""
         return self.root_device
 
-    # ---- checkpoints -------------------------------------------------------------------------------
+    # ---- checkpoints (their folder and file formats live in fabric.plugins.io) -----------------------
 
-    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        """Sharded (DTensors), or with full checkpoints whole tensors on rank 0 only (gathered one at a time)."""
-        return _module_state(module, full=self._full_checkpoints)
+    def save_checkpoint(
+        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None, filter: dict[str, Callable[[str, Any], bool]] | None = None
+    ) -> None:
+        """A folder in which every rank writes its shards, or with full checkpoints one file from rank 0."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint got storage_options={storage_options!r}; it accepts none")
+        if self._full_checkpoints:
+            from fabric.plugins.io.full_state import save_full
+
+            save_full(path, state, filter=filter)
+        else:
+            from fabric.plugins.io.sharded import save_sharded
+
+            save_sharded(path, state, filter=filter)
+
+    def load_checkpoint(
+        self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a folder of shards (from any number of ranks) or a full file into the sharded objects."""
+        if isinstance(state, (Module, Optimizer)):  # a bare state dict (Fabric.load_raw)
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        from fabric.plugins.io.sharded import load_sharded
+
+        return load_sharded(path, state, strict=strict, weights_only=weights_only)
 
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        """Full tensors (e.g. from ``torch.save(model.state_dict())``): each rank keeps its part of each."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         check_state_dict_fits(module, state_dict, strict=strict)
-        full = not any(isinstance(value, DTensor) for value in state_dict.values())
-        set_model_state_dict(module, state_dict, options=_state_dict_options(full, strict=strict))
-
-    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Keyed by parameter name (not position), so it loads into any sharding of the same model."""
-        return _optimizer_state(self._module_of(optimizer), optimizer, full=self._full_checkpoints)
+        set_model_state_dict(module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        """A plain ``optimizer.state_dict()`` (numbered, full tensors) into the optimizer of sharded parameters."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+        from fabric.plugins.io.state_layout import optimizer_named
 
         check_optimizer_state_fits(optimizer, state_dict)
-        full = not any(isinstance(v, DTensor) for values in state_dict.get("state", {}).values() for v in values.values())
-        set_optimizer_state_dict(self._module_of(optimizer), optimizer, state_dict, options=_state_dict_options(full))
+        module = self._module_of(optimizer)
+        named = optimizer_named(state_dict, get_optimizer_state_dict(module, optimizer), "optimizer")
+        set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
     def _module_of(self, optimizer: Optimizer) -> Module:
         params = {p for group in optimizer.param_groups for p in group["params"]}
@@ -184,65 +205,6 @@ class ShardedStrategy(ProcessGroupStrategy):
             f"The parameters of {type(optimizer).__name__} belong to no module set up by {type(self).__name__};"
             " create the optimizer from the parameters of the module that setup_module() returned"
         )
-
-    def save_checkpoint(
-        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None, filter: dict[str, Callable[[str, Any], bool]] | None = None
-    ) -> None:
-        """A folder in which every rank writes its shards (or, with full checkpoints, one file from rank 0)."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint got storage_options={storage_options!r}; it accepts none")
-        if self._full_checkpoints:
-            super().save_checkpoint(path, state, filter=filter)
-            return
-        from fabric.strategies.sharded_checkpoint import write_sharded
-
-        converted = self._convert_stateful_objects(state, filter)
-        sharded = {key: value for key, value in converted.items() if isinstance(state[key], (Module, Optimizer))}
-        write_sharded(path, sharded, {key: value for key, value in converted.items() if key not in sharded})
-
-    def load_checkpoint(
-        self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Load a folder of shards (written by any number of ranks) or a single full file into the sharded objects."""
-        from fabric.strategies.sharded_checkpoint import checkpoint_keys, is_sharded_checkpoint, read_sharded
-
-        if not is_sharded_checkpoint(path):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        if not isinstance(state, dict):
-            raise TypeError(
-                f"{str(path)!r} is a folder of shards; they load into the live objects: pass a dict of them, e.g."
-                " fabric.load(path, {'model': model, 'optimizer': optimizer}), not"
-                f" {'nothing' if state is None else type(state).__name__}"
-            )
-        saved = checkpoint_keys(path)
-        targets: dict[str, Any] = {}
-        for key, obj in state.items():
-            if key in saved and isinstance(obj, Module):
-                targets[key] = _module_state(obj, full=False)
-            elif key in saved and isinstance(obj, Optimizer):
-                targets[key] = _optimizer_state(self._module_of(obj), obj, full=False)
-        checkpoint = read_sharded(path, targets, strict=strict, weights_only=weights_only)
-        checkpoint.update(targets)
-        return self._restore_from_checkpoint(path, checkpoint, state, strict)
-
-
-
-def _module_state(module: Module, full: bool) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(module, options=_state_dict_options(full))
-
-
-def _optimizer_state(module: Module, optimizer: Optimizer, full: bool) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    return get_optimizer_state_dict(module, optimizer, options=_state_dict_options(full))
-
-
-def _state_dict_options(full: bool, strict: bool = True) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=full, cpu_offload=full, strict=strict)
 
 
 class _ShardedBackwardSyncControl(BackwardSyncControl):

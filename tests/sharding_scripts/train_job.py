@@ -25,8 +25,9 @@ STEPS = 10
 MAX_NORM = 0.5
 
 
-def new_fabric(strategy: Any) -> Fabric:
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size() if dist.is_initialized() else "auto", strategy=strategy)
+def new_fabric(strategy: Any, precision: str | None = None) -> Fabric:
+    devices = dist.get_world_size() if dist.is_initialized() else "auto"
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=precision)
     fabric.launch()
     return fabric
 
@@ -158,8 +159,8 @@ def collectives_check(strategy: Any) -> dict[str, Any]:
     }
 
 
-def set_up(strategy: Any, seed: int = 0) -> tuple[Fabric, Any, Any]:
-    fabric = new_fabric(strategy)
+def set_up(strategy: Any, seed: int = 0, precision: str | None = None) -> tuple[Fabric, Any, Any]:
+    fabric = new_fabric(strategy, precision)
     model = fabric.setup_module(make_net(seed))
     return fabric, model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
 
@@ -180,6 +181,17 @@ def checkpoint_save_check(folder: Path) -> dict[str, Any]:
         results["full_file_diff"] = max_difference(raw["model"], after3)
         results["full_file_step"] = raw["step"]
     results["files"] = sorted(p.name for p in (folder / "sharded").iterdir())
+    # load_raw: a plain torch.save of a one-process model's state dict, into a sharded model
+    if dist.get_rank() == 0:
+        reference = make_net()
+        reference.load_state_dict(after3)
+        torch.save(reference.state_dict(), folder / "raw.pt")
+        torch.save(torch.optim.AdamW(reference.parameters()).state_dict(), folder / "raw_optimizer.pt")
+    fabric.barrier()
+    raw_fabric, raw_model, raw_optimizer = set_up(FSDPStrategy(), seed=7)
+    raw_fabric.load_raw(folder / "raw.pt", raw_model)
+    raw_fabric.load_raw(folder / "raw_optimizer.pt", raw_optimizer)
+    results["load_raw_diff"] = max_difference(full_parameters(raw_model.module), after3)
     for name in ("sharded", "full.pt"):
         results[name] = resume_check(FSDPStrategy(), folder / name, after3, after5)
     return results
@@ -191,6 +203,30 @@ def resume_check(strategy: Any, path: Path, after3: dict[str, torch.Tensor], aft
     loaded = max_difference(full_parameters(model.module), after3)
     train(fabric, model, optimizer, 2, clip=False, start=3)
     return {"loaded_diff": loaded, "resumed_diff": max_difference(full_parameters(model.module), after5), "remainder": remainder}
+
+
+def bf16_mixed_check() -> dict[str, Any]:
+    """precision="bf16-mixed": autocast in forward, parameters gathered and gradients reduced in bfloat16."""
+    fabric, model, optimizer = set_up(FSDPStrategy(), precision="bf16-mixed")
+    x, y = (local_batch(fabric, t[0]) for t in data(1))
+    output = model(x)
+    expected = make_net()(x)
+    with fabric.autocast():
+        inside = torch.mm(x, x.T).dtype
+    losses = []
+    for _ in range(4):  # fitting one batch: its loss must fall
+        loss = F.mse_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {
+        "output_dtype": output.dtype,  # the wrapper hands back float32
+        "autocast_dtype": inside,
+        "param_dtype": next(model.module.parameters()).dtype,  # the sharded master weights stay float32
+        "relative_output_diff": float((output - expected).abs().max() / expected.abs().max()),
+        "losses": losses,
+    }
 
 
 def spawned_check(fabric: Fabric) -> dict[str, Any]:
@@ -219,6 +255,7 @@ def main() -> None:
         results["no_shard"] = training_check(FSDPStrategy(sharding_strategy="NO_SHARD"), steps=3)
         results["accumulate"] = training_check(FSDPStrategy(auto_wrap_policy={Block}), accumulate=2, clip=False, steps=3)
         results["checkpoint"] = checkpoint_save_check(outdir / "checkpoints")
+        results["bf16_mixed"] = bf16_mixed_check()
     if world == 4:
         results["hybrid"] = training_check(FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2)), steps=3)
         tp = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2)
