@@ -51,6 +51,7 @@ def run(strategy, precision, out: Path, name: str) -> None:
 def main() -> None:
     out = Path(sys.argv[1])
     run(FSDPStrategy(), "bf16-mixed", out, "fsdp_bf16")
+    run(FSDPStrategy(), "16-mixed", out, "fsdp_fp16")  # with the precision plugin's gradient scaler
     run(FSDPStrategy(cpu_offload=True), "32-true", out, "fsdp_offload")
     run(ModelParallelStrategy(parallelize), "32-true", out, "tp")
 
