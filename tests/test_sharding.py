@@ -222,6 +222,16 @@ def test_bf16_mixed_under_fsdp(job2):
 
 
 @pytest.mark.timeout(480)
+def test_wrongly_ordered_set_up_says_how_to_order_it(job2):
+    for rank, results in _ranks(job2):
+        messages = results["misuse"]
+        assert "before FSDPStrategy sharded it" in messages["optimizer_before_setup_module"]
+        assert "Call setup_module(model) first" in messages["optimizer_before_setup_module"]
+        assert "SGD has already stepped" in messages["stepped_optimizer"]
+        assert messages["after_good_setup"] == "FabricOptimizer" or messages["after_good_setup"].endswith("AdamW")
+
+
+@pytest.mark.timeout(480)
 def test_fsdp_shards_parameters_at_2(job2):
     assert job2[0]["fsdp"]["local_numel"] * 2 == job2[0]["no_shard"]["local_numel"]
 

@@ -46,20 +46,19 @@ class ShardedStrategy(ProcessGroupStrategy):
         super().__init__(*args, **kwargs)
         self._device_mesh: Any = None
         self._backward_sync_control = _ShardedBackwardSyncControl()
-        # parameters that sharding replaced: an optimizer still holding one was created too early
-        self._replaced_parameters: weakref.WeakSet[Tensor] = weakref.WeakSet()
+        # parameters that sharding replaced (by id): an optimizer still holding one was created too early
+        self._replaced_parameters: dict[int, weakref.ref[Tensor]] = {}
         self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()  # to find an optimizer's module
         self._full_checkpoints = False  # True: one file from rank 0 instead of a folder of shards
 
     def __getstate__(self) -> dict[str, Any]:
         """Spawn-style launchers pickle the strategy: the weak sets (of this process's objects) stay behind."""
         state = self.__dict__.copy()
-        state["_replaced_parameters"] = state["_sharded_modules"] = None
+        state["_replaced_parameters"], state["_sharded_modules"] = {}, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._replaced_parameters = weakref.WeakSet()
         self._sharded_modules = weakref.WeakSet()
 
     @property
@@ -107,7 +106,7 @@ class ShardedStrategy(ProcessGroupStrategy):
             materialize_module(module, self._materialization_device())
         move_plain_tensors(module, self.root_device)
         after = {id(p) for p in module.parameters()}
-        self._replaced_parameters.update(p for p in before if id(p) not in after)
+        self._replaced_parameters.update((id(p), weakref.ref(p)) for p in before if id(p) not in after)
         self._sharded_modules.add(module)
         return module
 
@@ -131,7 +130,8 @@ class ShardedStrategy(ProcessGroupStrategy):
         """Refuse an optimizer over parameters that sharding replaced (created from the model too early)."""
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param.is_meta or param in self._replaced_parameters:
+                replaced = self._replaced_parameters.get(id(param))
+                if param.is_meta or (replaced is not None and replaced() is param):
                     raise ValueError(
                         f"The optimizer holds parameters of the model as it was before {type(self).__name__} sharded it."
                         " Call setup_module(model) first, then create the optimizer from the returned module's"

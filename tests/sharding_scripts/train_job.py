@@ -229,6 +229,29 @@ def bf16_mixed_check() -> dict[str, Any]:
     }
 
 
+def misuse_check() -> dict[str, str]:
+    """The errors that say how to order the calls (each rank gets the same, before any collective)."""
+    messages = {}
+    fabric = new_fabric(FSDPStrategy())
+    model = make_net()
+    early = torch.optim.AdamW(model.parameters())
+    sharded = fabric.setup_module(model)
+    try:
+        fabric.setup_optimizers(early)
+    except ValueError as err:
+        messages["optimizer_before_setup_module"] = str(err)
+    model = make_net()
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    stepped.step()
+    try:
+        fabric.setup(model, stepped)
+    except ValueError as err:
+        messages["stepped_optimizer"] = str(err)
+    messages["after_good_setup"] = type(fabric.setup_optimizers(torch.optim.AdamW(sharded.parameters()))).__name__
+    return messages
+
+
 def spawned_check(fabric: Fabric) -> dict[str, Any]:
     """Run by ``fabric.launch(spawned_check)`` in workers that a spawn-style strategy started."""
     model = fabric.setup_module(make_net())
@@ -256,6 +279,7 @@ def main() -> None:
         results["accumulate"] = training_check(FSDPStrategy(auto_wrap_policy={Block}), accumulate=2, clip=False, steps=3)
         results["checkpoint"] = checkpoint_save_check(outdir / "checkpoints")
         results["bf16_mixed"] = bf16_mixed_check()
+        results["misuse"] = misuse_check()
     if world == 4:
         results["hybrid"] = training_check(FSDPStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2)), steps=3)
         tp = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=2)
