@@ -5,8 +5,9 @@ connector reads, so the script needs no flags of its own. One process is the scr
 process is replaced by it). More processes per node, or more nodes, are started here, each with the
 variables torchrun exports (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``NODE_RANK``), so inside the script Fabric finds a complete job
-and launches nothing. This process then watches the ranks of its node: the first one that fails
-brings the others down and its exit status becomes the command's.
+and launches nothing. This process then watches the ranks of its node with the same supervisor the launchers use
+(``fabric.strategies.launchers.supervisor``): the first rank that fails brings the others down and its
+exit status becomes the command's.
 
 Why our own small launcher instead of ``torch.distributed.run``: it needs only the standard library
 (no torch or torch.distributed import before the ranks start), and failure handling, exit codes and
@@ -14,12 +15,14 @@ signal forwarding are exactly what this module says, on every node.
 
 Details worth knowing:
 
-* Each rank is its own process group (so it is stopped together with its subprocesses) and, on
-  Linux, dies with `fabric run` even when that is killed with SIGKILL (a parent-death signal).
-* SIGINT/SIGTERM/SIGHUP to `fabric run` are passed to every rank; after ``GRACE_S`` what is left is
-  killed; the exit status is 128 + the signal.
-* When several ranks fail, the one noticed first is reported and its status returned (peers that
-  lost their connection usually fail a little later).
+* Each rank is its own process group (so it is stopped together with its subprocesses) and never
+  outlives `fabric run`, even when that is killed with SIGKILL (see ``launchers.rank_side``).
+* SIGINT/SIGTERM/SIGHUP to `fabric run` are passed to every rank; after the supervisor's grace time
+  what is left is killed; the exit status is 128 + the signal.
+* When several ranks fail, the root cause is reported and its status returned: a rank that died
+  outright before ranks that raised (their errors are echoes), else the rank that raised first.
+* A rank whose collective timed out is diagnosed as under the launchers: which rank never arrived,
+  and where it was.
 * ``OMP_NUM_THREADS`` defaults to cores / processes per node, so N ranks do not oversubscribe the CPU.
 
 Only the standard library is imported at module level; keep it that way (start-up time).
@@ -30,12 +33,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from fabric._core.env import find_free_port, global_rank, rank_environment
 from typing import Any, NoReturn
 
 __all__ = ["main", "run", "build_run_parser"]
@@ -62,10 +65,6 @@ _ONE_PROCESS_STRATEGIES = ("dp", "single_device")
 DEFAULT_MAIN_ADDRESS = "127.0.0.1"
 DEFAULT_MAIN_PORT = 29400
 
-#: Seconds the ranks get to end after a failure or a signal before they are killed.
-GRACE_S = 3.0
-_POLL_S = 0.05
-_PR_SET_PDEATHSIG = 1
 
 
 # ---- options ------------------------------------------------------------------------------------------
@@ -339,235 +338,43 @@ def fabric_environment(config: RunConfig, nprocs: int) -> dict[str, str]:
     return env
 
 
-def rank_environment(config: RunConfig, nprocs: int, local_rank: int, main_port: int) -> dict[str, str]:
-    """The torchrun-style variables of one rank (Fabric then sees a job that is already started)."""
-    return {
-        "MASTER_ADDR": config.main_address,
-        "MASTER_PORT": str(main_port),
-        "WORLD_SIZE": str(nprocs * config.num_nodes),
-        "RANK": str(config.node_rank * nprocs + local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "GROUP_RANK": str(config.node_rank),
-        "NODE_RANK": str(config.node_rank),
-        "GROUP_WORLD_SIZE": str(config.num_nodes),
-        "ROLE_RANK": str(config.node_rank * nprocs + local_rank),
-        "ROLE_WORLD_SIZE": str(nprocs * config.num_nodes),
-    }
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 # ---- running ------------------------------------------------------------------------------------------
 
 
-# Started in place of the script: ask Linux to kill this process if `fabric run` dies (even by SIGKILL),
-# then become the script. Done in a fresh interpreter rather than in preexec_fn, which is unsafe once
-# the launching process has threads.
-_TRAMPOLINE = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n"
-    "    libc = ctypes.CDLL(None, use_errno=True)\n"
-    f"    libc.prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL, 0, 0, 0)\n"
-    "    if os.getppid() != int(sys.argv[1]):\n"
-    "        os._exit(137)\n"
-    "except (OSError, AttributeError):\n"
-    "    pass\n"
-    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
-)
-
-
-@dataclass
-class _Rank:
-    rank: int
-    local_rank: int
-    proc: subprocess.Popen
-
-    def describe(self, code: int) -> str:
-        if code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"was killed by signal {-code}"
-        else:
-            how = f"exited with status {code}"
-        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.proc.pid}) {how}"
-
-
 def _say(message: str) -> None:
-    sys.stderr.write(f"[fabric run] {message}\n")
+    sys.stderr.write(f"[fabric] {message}\n")
     sys.stderr.flush()
 
 
-def _exit_status(code: int) -> int:
-    return 128 - code if code < 0 else code
+def _ignore(signum: int, frame: Any) -> None:
+    """Signals the supervisor handles: the signal pipe has woken it; nothing else to do here."""
 
 
-class _NodeJob:
-    """The ranks of this node: start them, watch them, end them all when one fails or we are signalled."""
+def _run_ranks(command: list[str], envs: dict[int, dict[str, str]]) -> int:
+    """Start the ranks of this node under one supervisor; the first failure or a signal stops them all."""
+    from fabric.strategies.launchers.command_rank import CommandRank
+    from fabric.strategies.launchers.supervisor import SignalPipe, Supervisor
 
-    def __init__(self, command: list[str], envs: list[dict[str, str]], ranks: list[int]) -> None:
-        self.command = command
-        self.envs = envs
-        self.rank_ids = ranks
-        self.ranks: list[_Rank] = []
-        self._signal: int | None = None
+    watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    # Python lets only the main thread handle signals; from another thread they keep their effect
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _ignore) for s in watched} if main_thread else {}
+    signals = SignalPipe(watched)
+    first = min(envs)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if self._signal is None:
-            self._signal = signum
+    def start_rank(rank: int, job_dir: str) -> CommandRank:
+        # local rank 0 keeps the terminal's stdin, as under torchrun
+        return CommandRank(rank, command, envs[rank], job_dir, keep_stdin=rank == first)
 
-    def run(self) -> int:
-        watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
-        # Python lets only the main thread handle signals; from another thread they keep their effect
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = {s: signal.signal(s, self._on_signal) for s in watched} if main_thread else {}
-        wakeup = _WakeUp()
-        try:
-            self._start()
-            return self._watch(wakeup)
-        finally:
-            wakeup.close()
-            self._stop(signal.SIGTERM)
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-    def _start(self) -> None:
-        launcher_pid = str(os.getpid())
-        linux = sys.platform.startswith("linux")
-        for local_rank, (env, rank) in enumerate(zip(self.envs, self.rank_ids)):
-            if self._signal is not None:
-                return
-            argv = [sys.executable, "-c", _TRAMPOLINE, launcher_pid, *self.command] if linux else [sys.executable, *self.command]
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=None if local_rank == 0 else subprocess.DEVNULL,
-                # its own process group: we can end the rank together with its subprocesses
-                start_new_session=True,
-            )
-            self.ranks.append(_Rank(rank, local_rank, proc))
-
-    def _watch(self, wakeup: _WakeUp) -> int:
-        for rank in self.ranks:
-            wakeup.watch(rank.proc.pid)
-        while True:
-            if self._signal is not None:
-                name = signal.Signals(self._signal).name
-                _say(f"received {name}; stopping {len(self._alive())} rank(s) on this node")
-                self._stop(self._signal, sweep=True)
-                return 128 + self._signal
-            done = 0
-            for rank in self.ranks:
-                code = rank.proc.poll()
-                if code is None:
-                    continue
-                if code != 0:
-                    others = self._alive()
-                    tail = f"; stopping the other {len(others)} rank(s) on this node" if others else ""
-                    _say(rank.describe(code) + tail)
-                    self._stop(signal.SIGTERM, sweep=True)
-                    return _exit_status(code)
-                wakeup.forget(rank.proc.pid)  # an ended process stays "ready": stop looking at it
-                done += 1
-            if done == len(self.ranks):
-                return 0
-            # Wake up the moment a rank ends (or a signal comes), so the rank that failed first is the
-            # one reported, not a peer that failed a few milliseconds later because it lost its connection.
-            wakeup.wait(_POLL_S)
-
-    def _alive(self) -> list[_Rank]:
-        return [r for r in self.ranks if r.proc.poll() is None]
-
-    def _stop(self, signum: int, sweep: bool = False) -> None:
-        """Send ``signum`` to every live rank's process group, then SIGKILL what is left after GRACE_S.
-
-        With ``sweep``, also kill what is left in the ranks' process groups (their subprocesses).
-        """
-        alive = self._alive()
-        for rank in alive:
-            _kill_group(rank.proc.pid, signum)
-        deadline = time.monotonic() + GRACE_S
-        while alive and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-            alive = self._alive()
-        for rank in alive:
-            _kill_group(rank.proc.pid, signal.SIGKILL)
-        for rank in self.ranks:
-            try:
-                rank.proc.wait(timeout=GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-            if sweep:
-                _kill_group(rank.proc.pid, signal.SIGKILL)
-
-
-class _WakeUp:
-    """Blocks until a watched process ends, a signal arrives, or a timeout passes (Linux: pidfds)."""
-
-    def __init__(self) -> None:
-        self._fds: dict[int, int] = {}  # pid -> pidfd
-        self._read_fd: int | None = None
-        self._previous_wakeup: int | None = None
-        try:
-            read_fd, write_fd = os.pipe()
-            os.set_blocking(read_fd, False)
-            os.set_blocking(write_fd, False)
-            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-            self._read_fd, self._write_fd = read_fd, write_fd
-        except (ValueError, OSError):  # not the main thread: rely on the timeout
-            pass
-
-    def watch(self, pid: int) -> None:
-        pidfd_open = getattr(os, "pidfd_open", None)
-        if pidfd_open is None:
-            return
-        try:
-            self._fds[pid] = pidfd_open(pid)
-        except OSError:  # old kernel, or the process is already gone: the timeout covers it
-            pass
-
-    def forget(self, pid: int) -> None:
-        fd = self._fds.pop(pid, None)
-        if fd is not None:
-            os.close(fd)
-
-    def wait(self, timeout: float) -> None:
-        import select
-
-        fds = [*self._fds.values(), *([self._read_fd] if self._read_fd is not None else [])]
-        if not fds:
-            time.sleep(timeout)
-            return
-        ready = select.select(fds, [], [], timeout)[0]
-        if self._read_fd is not None and self._read_fd in ready:
-            try:
-                os.read(self._read_fd, 512)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-        if self._read_fd is not None:
-            signal.set_wakeup_fd(self._previous_wakeup if self._previous_wakeup is not None else -1)
-            os.close(self._read_fd)
-            os.close(self._write_fd)
-            self._read_fd = None
-
-
-def _kill_group(pgid: int, signum: int) -> None:
+    supervisor = Supervisor(start_rank, sorted(envs), signals=signals)
     try:
-        os.killpg(pgid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
+        result = supervisor.run(report=_say)
+    finally:
+        supervisor.close()
+        signals.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return result.exit_status
 
 
 def run(config: RunConfig) -> int:
@@ -578,22 +385,23 @@ def run(config: RunConfig) -> int:
         _say(f"error: {err}")
         return 2
     env = {**os.environ, **fabric_environment(config, nprocs)}
-    command = [config.script, *config.script_args]
     if nprocs == 1 and config.num_nodes == 1:
         # one process: become the script (same pid, signals and exit status are simply the script's)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *command], env)
+        os.execve(sys.executable, [sys.executable, config.script, *config.script_args], env)
 
     main_port = config.main_port
     if main_port is None:
-        main_port = _free_port() if config.num_nodes == 1 else DEFAULT_MAIN_PORT
+        main_port = find_free_port() if config.num_nodes == 1 else DEFAULT_MAIN_PORT
     if "OMP_NUM_THREADS" not in env:
         # N ranks each using every core would oversubscribe the CPU (torchrun sets 1; we share the cores)
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
-    envs = [{**env, **rank_environment(config, nprocs, local, main_port)} for local in range(nprocs)]
-    ranks = [config.node_rank * nprocs + local for local in range(nprocs)]
-    return _NodeJob(command, envs, ranks).run()
+    envs = {}
+    for local_rank in range(nprocs):
+        ranks = rank_environment(config.main_address, main_port, config.node_rank, config.num_nodes, nprocs, local_rank)
+        envs[global_rank(config.node_rank, nprocs, local_rank)] = {**env, **ranks}
+    return _run_ranks([sys.executable, config.script, *config.script_args], envs)
 
 
 # ---- entry point --------------------------------------------------------------------------------------

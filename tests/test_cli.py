@@ -172,7 +172,9 @@ def test_processes_per_node_and_fabric_variables() -> None:
         "FABRIC_PRECISION": "bf16", "FABRIC_ACCELERATOR": "cpu"}
     assert cli.fabric_environment(config("--devices", "2"), 2) == {"FABRIC_DEVICES": "2"}
     assert cli.fabric_environment(config("--num-nodes", "2"), 1) == {"FABRIC_DEVICES": "1", "FABRIC_NUM_NODES": "2"}
-    env = cli.rank_environment(config("--num-nodes", "3", "--node-rank", "2", "--devices", "2"), 2, 1, 1234)
+    from fabric._core.env import rank_environment
+
+    env = rank_environment("127.0.0.1", 1234, node_rank=2, num_nodes=3, processes_per_node=2, local_rank=1)
     assert env["RANK"] == "5" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "6"
     assert env["GROUP_RANK"] == env["NODE_RANK"] == "2" and env["LOCAL_WORLD_SIZE"] == "2"
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "1234"
@@ -229,6 +231,10 @@ def test_two_processes_get_rank_variables(tmp_path: Path) -> None:
         assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["NODE_RANK"], env["GROUP_RANK"]) == ("2", "2", "0", "0")
         assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == ranks[0]["env"]["MASTER_PORT"]
         assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+        # the supervisor's own variables: its pid (the rank follows it) and the job folder
+        assert record["fabric"].pop("FABRIC_PARENT_PID").isdigit()
+        assert "fabric-job-" in record["fabric"].pop("FABRIC_JOB_DIR")
+        record["fabric"].pop("FABRIC_STATUS_FD", None)  # taken out of the environment once Fabric runs
         assert record["fabric"] == {"FABRIC_DEVICES": "2"}
         assert record["argv"] == ["--lr", "1"]
 
@@ -240,7 +246,7 @@ def test_a_failing_rank_ends_the_job_with_its_exit_status(tmp_path: Path) -> Non
                  timeout=35, check=False)
     took = time.monotonic() - started
     assert result.returncode == 5, result.stderr
-    assert "[fabric run] rank 1 (local rank 1" in result.stderr and "exited with status 5" in result.stderr
+    assert "[fabric] rank 1 exited with code 5, pid" in result.stderr
     assert "stopping the other 2 rank(s)" in result.stderr
     assert took < 30  # the sleeping ranks (60 s) were stopped
     wait_dead([r["pid"] for r in read_ranks(tmp_path).values()], timeout=5)

@@ -34,7 +34,8 @@ from fabric.strategies.launchers import (  # noqa: E402
     RankFailedError,
     SubprocessScriptLauncher,
 )
-from fabric.strategies.launchers.supervision import describe_exit, label_lines  # noqa: E402
+from fabric.strategies.launchers.rank_side import label_lines  # noqa: E402
+from fabric.strategies.launchers.supervisor import describe_exit  # noqa: E402
 from launcher_scripts.standin import StandInEnvironment, StandInStrategy  # noqa: E402
 
 # The promise under test: after any failure the whole job is gone within this many seconds.

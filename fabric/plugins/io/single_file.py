@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from fabric._core.processes import process_alive
+
 _TEMP_PREFIX = ".fabric-tmp-"
 
 
@@ -254,22 +256,12 @@ def _remove_stale_temp_files(folder: Path, name: str) -> None:
     """Delete temp files a crashed save of ``name`` left behind; a live process's file is left alone."""
     for stale in folder.glob(f"{_TEMP_PREFIX}{name}.*"):
         writer = stale.name[len(_TEMP_PREFIX) + len(name) + 1 :].split(".", 1)[0]
-        if not writer.isdigit() or _process_alive(int(writer)):
+        if not writer.isdigit() or process_alive(int(writer)):
             continue  # another file's temp (e.g. of "name.bak"), or a save still in progress
         try:
             stale.unlink()
         except OSError:
             pass
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_folder(folder: Path) -> None:

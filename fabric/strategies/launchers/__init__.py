@@ -1,18 +1,26 @@
 """Process launchers: how the processes of a distributed job come to exist and end.
 
-* :class:`SubprocessScriptLauncher` ("popen") re-runs the user's command for each
-  extra local rank; the user's own process is local rank 0.
-* :class:`MultiprocessingLauncher` ("spawn", "fork", "forkserver") starts workers
-  from the current process and returns the result of process 0.
+* :class:`SubprocessScriptLauncher` ("popen") re-runs the user's command for each extra local rank;
+  the user's own process is local rank 0.
+* :class:`MultiprocessingLauncher` ("spawn", "fork", "forkserver") starts workers from the current
+  process and returns the result of process 0.
 
-Both stop the whole job quickly when any rank fails (see ``supervision``); when a
-collective times out, they first name the ranks that never arrived and where each
-one was (see ``diagnosis``).
+Both, and ``fabric run``, hand their rank processes to one :class:`Supervisor` (``supervisor``),
+which stops the whole job quickly when any rank fails and, when a collective times out, first names
+the ranks that never arrived and where each one was (``diagnosis``).
 """
 
 from fabric.strategies.launchers.launcher import Launcher
 from fabric.strategies.launchers.multiprocessing import MultiprocessingLauncher
 from fabric.strategies.launchers.subprocess_script import SubprocessScriptLauncher
-from fabric.strategies.launchers.supervision import RankFailedError
+from fabric.strategies.launchers.supervisor import JobResult, RankFailedError, RankFailure, Supervisor
 
-__all__ = ["Launcher", "MultiprocessingLauncher", "RankFailedError", "SubprocessScriptLauncher"]
+__all__ = [
+    "JobResult",
+    "Launcher",
+    "MultiprocessingLauncher",
+    "RankFailedError",
+    "RankFailure",
+    "SubprocessScriptLauncher",
+    "Supervisor",
+]

@@ -40,6 +40,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import IO
 
+from fabric._core.processes import process_alive
+
 __all__ = [
     "DUMP_SIGNAL",
     "JOB_DIR_ENV",
@@ -100,18 +102,8 @@ def _remove_stale_job_dirs() -> None:
         return
     for name in names:
         owner = name[len(_JOB_DIR_PREFIX) :].split("-", 1)[0]
-        if owner.isdigit() and not _pid_alive(int(owner)):
+        if owner.isdigit() and not process_alive(int(owner)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_job_dir(path: str | None) -> None:

@@ -1,9 +1,9 @@
 """Launch ranks as child processes of this one ("spawn", "fork", "forkserver").
 
-Unlike the popen launcher, the launching process is not a rank: it starts
-``num_processes`` workers, supervises them, and hands the return value of process 0
-back to the caller. Because it sits outside the job it can always tell which rank
-failed first and why, and it never has to end itself to stop the others.
+Unlike the popen launcher, the launching process is not a rank: it starts ``num_processes`` workers,
+watches them with the job's :class:`~fabric.strategies.launchers.supervisor.Supervisor`, and hands the
+return value of process 0 back to the caller. A worker is a :class:`WorkerRank` handle: its sentinel
+says when it ended, and a pipe carries its result or its traceback.
 """
 
 from __future__ import annotations
@@ -19,33 +19,20 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from collections.abc import Callable, Collection
+from multiprocessing.connection import Connection
 from typing import Any
 
-from fabric.strategies.launchers.diagnosis import (
-    create_job_dir,
-    diagnose,
-    install_stack_dump,
-    record_failure,
-    remove_job_dir,
-)
+from fabric._core.env import export_rendezvous, global_rank
+from fabric._core.processes import become_group_leader
+from fabric.strategies.launchers.diagnosis import install_stack_dump, record_failure
 from fabric.strategies.launchers.launcher import Launcher
-from fabric.strategies.launchers.supervision import (
-    KILL_GRACE_S,
-    RankFailedError,
-    become_group_leader,
-    format_rank_traceback,
-    kill_process_groups,
-    start_parent_watchdog,
-)
+from fabric.strategies.launchers.rank_side import follow_supervisor, format_rank_traceback
+from fabric.strategies.launchers.supervisor import RankFailedError, Supervisor, only_in_this_process
 
 __all__ = ["MultiprocessingLauncher", "RankFailedError"]
 
 _START_METHODS = ("spawn", "fork", "forkserver")
-# After a rank reports an exception, how long to look for a peer that died abruptly
-# (the likelier root cause) before blaming the rank that raised.
-_SETTLE_S = 0.25
 
 
 class MultiprocessingLauncher(Launcher):
@@ -78,7 +65,7 @@ class MultiprocessingLauncher(Launcher):
             )
         self._strategy = strategy
         self._start_method = start_method
-        self._job: _Job | None = None
+        self._supervisor: Supervisor | None = None
 
     @property
     def start_method(self) -> str:
@@ -98,7 +85,9 @@ class MultiprocessingLauncher(Launcher):
     @property
     def procs(self) -> list[Any]:
         """The worker processes of the running job (empty when none is running)."""
-        return list(self._job.procs) if self._job is not None else []
+        if self._supervisor is None:
+            return []
+        return [handle.proc for handle in self._supervisor.ranks if isinstance(handle, WorkerRank)]
 
     def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Start the workers, wait for all of them, and return process 0's result."""
@@ -107,8 +96,7 @@ class MultiprocessingLauncher(Launcher):
 
         env = self._strategy.cluster_environment
         # Exported before the workers start so they inherit one address and port.
-        os.environ["MASTER_ADDR"] = str(env.main_address)
-        os.environ["MASTER_PORT"] = str(env.main_port)
+        export_rendezvous(env.main_address, env.main_port)
         try:
             node_rank = int(env.node_rank())
         except Exception:
@@ -116,21 +104,38 @@ class MultiprocessingLauncher(Launcher):
 
         import torch.multiprocessing as tmp  # lazily: importing torch is expensive
 
-        job = _Job(
-            context=tmp.get_context(self._start_method),
-            num_processes=int(self._strategy.num_processes),
-            rank_offset=node_rank * int(self._strategy.num_processes),
-            job_dir=create_job_dir(),
-        )
-        self._job = job
+        context = tmp.get_context(self._start_method)
+        num_processes = int(self._strategy.num_processes)
+        launcher_pid = os.getpid()
+        first = global_rank(node_rank, num_processes, 0)
+
+        def start_worker(rank: int, job_dir: str) -> WorkerRank:
+            reader, writer = context.Pipe(duplex=False)
+            proc = context.Process(
+                target=_worker,
+                args=(rank - first, rank, launcher_pid, self._strategy, function, args, kwargs, writer, job_dir),
+                name=f"fabric-rank-{rank}",
+                daemon=False,  # daemonic processes may not start DataLoader workers
+            )
+            handle = WorkerRank(rank, proc, reader)
+            proc.start()
+            writer.close()
+            return handle
+
+        supervisor = Supervisor(start_worker, range(first, first + num_processes))
+        self._supervisor = supervisor
+        restore_sigterm = _raise_on_sigterm()
         try:
-            payload = job.run(self._strategy, function, args, kwargs)
+            result = supervisor.run()  # whatever happens (failure, Ctrl-C, SIGTERM), nothing of the job survives
         finally:
-            self._job = None
-            remove_job_dir(job.job_dir)
-        if payload is None:
-            return None
-        return _deserialize(payload)
+            self._supervisor = None
+            supervisor.close()
+            restore_sigterm()
+        if result.failure is not None:
+            failure = result.failure
+            raise RankFailedError(failure.rank, failure.exitcode, failure.traceback, diagnosis=result.diagnosis)
+        payload = supervisor.rank(first).result
+        return None if payload is None else _deserialize(payload)
 
     def kill(self, signum: int = signal.SIGTERM) -> None:
         """Stop all workers of the running job (no-op inside a worker).
@@ -138,8 +143,8 @@ class MultiprocessingLauncher(Launcher):
         A worker's own failure needs no call: the launching process notices it and stops
         the rest of the job.
         """
-        if self._job is not None:
-            self._job.kill(signum)
+        if self._supervisor is not None:
+            self._supervisor.stop(signum)
 
     def on_rank_failure(self, trace: str) -> None:
         """A worker's code raised (``trace``): leave it for the launching process's diagnosis.
@@ -157,7 +162,7 @@ class MultiprocessingLauncher(Launcher):
         # The strategy (and this launcher with it) is pickled into every worker under
         # spawn; process handles cannot be, nor are they of any use there.
         state = self.__dict__.copy()
-        state["_job"] = None
+        state["_supervisor"] = None
         return state
 
 
@@ -282,7 +287,7 @@ def _worker(
     args: tuple,
     kwargs: dict,
     conn: Connection,
-    job_dir: str | None = None,
+    job_dir: str,
 ) -> None:
     """Entry point of every worker process."""
     global _worker_context
@@ -290,11 +295,10 @@ def _worker(
     # Under fork we inherit the launcher's temporary handlers; a worker wants defaults.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    start_parent_watchdog(rank, launcher_pid)
-    if job_dir is not None:
-        _worker_context = (job_dir, rank)
-        # the launching process asks for our stack (a signal) when a collective times out
-        install_stack_dump(job_dir, rank)
+    follow_supervisor(rank, launcher_pid)
+    _worker_context = (job_dir, rank)
+    # the launching process asks for our stack (a signal) when a collective times out
+    install_stack_dump(job_dir, rank)
     try:
         strategy._worker_setup(process_idx)
         result = function(*args, **kwargs)
@@ -310,8 +314,7 @@ def _worker(
     except SystemExit:
         raise  # sys.exit(n) in a worker: its code is its exit status, as usual
     except BaseException as err:
-        if job_dir is not None:
-            record_failure(job_dir, rank, "".join(traceback.format_exception(type(err), err, err.__traceback__)))
+        record_failure(job_dir, rank, "".join(traceback.format_exception(type(err), err, err.__traceback__)))
         text = format_rank_traceback(rank, type(err), err, err.__traceback__)
         try:
             # when it raised (a clock all processes share): the cause raises before its echoes
@@ -327,156 +330,70 @@ def _worker(
 # --------------------------------------------------------------------------------------
 
 
-class _Job:
-    """One run of the workers: start, supervise, collect, tear down."""
+class WorkerRank:
+    """A worker process as the supervisor sees it (a ``RankProcess``)."""
 
-    def __init__(self, context: Any, num_processes: int, rank_offset: int, job_dir: str | None = None) -> None:
-        self.context = context
-        self.num_processes = num_processes
-        self.rank_offset = rank_offset
-        self.job_dir = job_dir
-        self.procs: list[Any] = []
-        self._lock = threading.Lock()
+    def __init__(self, rank: int, proc: Any, conn: Connection) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.raised_at: float | None = None
+        self.traceback: str | None = None
+        self.result: bytes | None = None  # what process 0 returned, serialized
+        self._conn: Connection | None = conn
 
-    def kill(self, signum: int = signal.SIGTERM) -> None:
-        with self._lock:
-            procs = list(self.procs)
-        started = [p for p in procs if p.pid is not None]
-        kill_process_groups([p.pid for p in started], signum=signum, grace=KILL_GRACE_S)
-        for p in started:
-            p.join(timeout=0)
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
 
-    def run(self, strategy: Any, function: Callable[..., Any], args: tuple, kwargs: dict) -> bytes | None:
-        restore_sigterm = _raise_on_sigterm()
-        readers: dict[Connection, int] = {}
+    def poll(self) -> int | None:
+        code = self.proc.exitcode
+        if code is not None:
+            self._receive()  # a worker's message arrives just before its exit
+        return code
+
+    def fds(self) -> list[int]:
+        if self.proc.pid is None or self.proc.exitcode is not None:
+            return []
+        return [self.proc.sentinel] + ([self._conn.fileno()] if self._conn is not None else [])
+
+    def take_reports(self, ready: Collection[int]) -> None:
+        if self._conn is not None and self._conn.fileno() in ready:
+            self._receive()
+        if self.proc.pid is not None and self.proc.sentinel in ready:
+            # A readable sentinel means the process is exiting; join() collects its status (a
+            # non-blocking poll could still miss it for a moment).
+            self.proc.join()
+            self._receive()
+
+    def _receive(self) -> None:
+        conn = self._conn
+        if conn is None or not conn.poll(0):
+            return
+        self._conn = None  # a worker sends one message at most
         try:
-            for idx in range(self.num_processes):
-                reader, writer = self.context.Pipe(duplex=False)
-                proc = self.context.Process(
-                    target=_worker,
-                    args=(idx, self.rank_offset + idx, os.getpid(), strategy, function, args, kwargs, writer, self.job_dir),
-                    name=f"fabric-rank-{self.rank_offset + idx}",
-                    daemon=False,  # daemonic processes may not start DataLoader workers
-                )
-                with self._lock:
-                    self.procs.append(proc)
-                proc.start()
-                writer.close()
-                readers[reader] = idx
-            return self._supervise(readers)
-        finally:
-            # Whatever happened (failure, Ctrl-C, SIGTERM), nothing of the job survives.
-            self.kill()
-            for proc in self.procs:
-                if proc.pid is not None:
-                    proc.join(timeout=KILL_GRACE_S)
-            for reader in readers:
-                reader.close()
-            restore_sigterm()
-
-    def _supervise(self, readers: dict[Connection, int]) -> bytes | None:
-        self._readers = readers
-        self._by_idx = {idx: conn for conn, idx in readers.items()}
-        self._sentinels = {p.sentinel: idx for idx, p in enumerate(self.procs)}
-        self._results: dict[int, tuple[str, Any]] = {}
-        while self._sentinels:
-            self._collect(wait(list(self._sentinels) + list(self._readers)))
-            self._fail_if_any()
-        ok = self._results.get(0)
-        return ok[1] if ok is not None and ok[0] == "ok" else None
-
-    def _collect(self, ready: list[Any]) -> None:
-        """Take in what ``wait`` reported: messages from workers, and workers that ended."""
-        # Messages first: a worker's traceback arrives just before its exit.
-        for obj in ready:
-            if obj in self._readers:
-                self._receive(obj)
-        for obj in ready:
-            if obj in self._sentinels:
-                idx = self._sentinels.pop(obj)
-                # A closed sentinel means the process is exiting; join() collects its status
-                # (a non-blocking poll could still miss it for a moment).
-                self.procs[idx].join()
-                conn = self._by_idx[idx]
-                if conn in self._readers and conn.poll(0):
-                    self._receive(conn)
-
-    def _receive(self, conn: Connection) -> None:
-        idx = self._readers.pop(conn)
-        try:
-            self._results[idx] = conn.recv()
+            message = conn.recv()
         except (EOFError, OSError):
-            pass
+            message = None
         finally:
-            conn.close()  # a worker sends one message at most
+            conn.close()
+        if message is not None and message[0] == "error":
+            self.traceback, self.raised_at = message[1], float(message[2])
+        elif message is not None:
+            self.result = message[1]
 
-    def _classify(self) -> tuple[list[int], list[int]]:
-        """(ranks that died without reporting an exception, ranks that raised)."""
-        died, raised = [], []
-        for idx, proc in enumerate(self.procs):
-            message = self._results.get(idx)
-            if message is not None and message[0] == "error":
-                raised.append(idx)
-            elif proc.exitcode not in (None, 0):
-                died.append(idx)
-        return died, raised
-
-    def _fail_if_any(self) -> None:
-        """Raise for the failure that most likely caused the others, if any rank failed.
-
-        Failures seen together are usually one cause and its echoes: when a rank dies,
-        its peers raise "connection closed" moments later, and that message can even
-        overtake the news of the death. So a rank that died without reporting an
-        exception (a signal, ``os._exit``) is blamed before ranks that raised, and if only
-        exceptions are known we keep listening for ``_SETTLE_S`` seconds first. Among ranks
-        that raised, the one that raised first is the cause: its peers' errors ("connection
-        closed" in a collective) can only follow it, though their reports may arrive together.
-        """
-        died, raised = self._classify()
-        deadline = time.monotonic() + _SETTLE_S
-        while raised and not died and self._sentinels:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._collect(wait(list(self._sentinels) + list(self._readers), timeout=remaining))
-            died, raised = self._classify()
-        if died or raised:
-            idx = died[0] if died else min(raised, key=self._raised_at)
-            self._fail(idx, self._results.get(idx))
-
-    def _raised_at(self, idx: int) -> float:
-        message = self._results.get(idx)
-        return float(message[2]) if message is not None and len(message) > 2 else float("inf")
-
-    def _fail(self, idx: int, message: tuple[str, Any] | None) -> None:
-        report = self._diagnosis()
-        # Stop everyone first (the failed worker too: it may hang in its shutdown).
-        self.kill()
-        proc = self.procs[idx]
-        proc.join(timeout=KILL_GRACE_S)
-        traceback_text = message[1] if message is not None and message[0] == "error" else None
-        raise RankFailedError(self.rank_offset + idx, proc.exitcode, traceback_text, diagnosis=report)
-
-    def _diagnosis(self) -> str | None:
-        """For a collective timeout: which workers did not arrive and where each one was.
-
-        Asked before anyone is stopped, while the stuck workers can still answer.
-        """
-        live = {self.rank_offset + i: p.pid for i, p in enumerate(self.procs) if p.pid is not None and p.exitcode is None}
-        raised = {self.rank_offset + i: m[1] for i, m in self._results.items() if m[0] == "error"}
-        for rank in raised:
-            live.pop(rank, None)  # it reported its error; whatever it does now is shutting down
-        try:
-            return diagnose(self.job_dir, live, raised)
-        except Exception as err:  # a diagnosis must never stand in the way of the teardown
-            return f"fabric: could not diagnose the failure ({type(err).__name__}: {err})"
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self.proc.pid is not None:
+            self.proc.join(timeout=0)
 
 
 def _raise_on_sigterm() -> Callable[[], None]:
     """While the job runs, turn SIGTERM into SystemExit(143) so cleanup code runs.
 
-    Only done from the main thread and only if nobody handles SIGTERM already;
-    returns a function that restores the previous state.
+    Only done from the main thread and only if nobody handles SIGTERM already; returns a function
+    that restores the previous state.
     """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -484,15 +401,8 @@ def _raise_on_sigterm() -> Callable[[], None]:
     if previous not in (signal.SIG_DFL, None):
         return lambda: None
 
-    launcher_pid = os.getpid()
-
     def handler(signum: int, frame: Any) -> None:
-        if os.getpid() != launcher_pid:
-            # A worker forked before it could reset its handlers: die as SIG_DFL would.
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, only_in_this_process(handler))
     return lambda: signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,85 @@
+"""Environment variables: their names, the global-rank formula, and the variables one rank gets.
+
+The launchers, ``fabric run`` and the connector all talk through the environment: ``fabric run`` hands
+its options to ``Fabric()`` in ``FABRIC_*`` variables, a supervisor tells each rank where it sits with
+torchrun's rank variables, and ranks find their supervisor through the variables named here. Reading
+a rank's position back is the cluster environments' job (``fabric.plugins.environments``), not this
+module's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+__all__ = [
+    "ENV_PREFIX",
+    "JOB_DIR_ENV",
+    "STATUS_FD_ENV",
+    "SUPERVISOR_PID_ENV",
+    "export_rendezvous",
+    "fabric_variable",
+    "find_free_port",
+    "global_rank",
+    "rank_environment",
+]
+
+#: ``fabric run --devices 2`` reaches ``Fabric()`` as ``FABRIC_DEVICES=2``.
+ENV_PREFIX = "FABRIC_"
+#: The pid of the supervisor that started this rank; a rank that sees its parent's pid here is one of ours.
+SUPERVISOR_PID_ENV = "FABRIC_PARENT_PID"
+#: An inherited pipe on which a rank tells its supervisor "I raised" (and when).
+STATUS_FD_ENV = "FABRIC_STATUS_FD"
+#: The job folder where ranks leave their tracebacks and, when asked, their stacks.
+JOB_DIR_ENV = "FABRIC_JOB_DIR"
+
+
+def fabric_variable(name: str) -> str:
+    """``"num_nodes"`` -> ``"FABRIC_NUM_NODES"``."""
+    return ENV_PREFIX + name.upper()
+
+
+def global_rank(node_rank: int, processes_per_node: int, local_rank: int) -> int:
+    """The rank of a process among all processes of the job (every node runs the same number)."""
+    return node_rank * processes_per_node + local_rank
+
+
+def rank_environment(
+    main_address: str, main_port: int, node_rank: int, num_nodes: int, processes_per_node: int, local_rank: int
+) -> dict[str, str]:
+    """The variables torchrun exports to one rank, so the rank finds a complete, already started job."""
+    rank = str(global_rank(node_rank, processes_per_node, local_rank))
+    world_size = str(processes_per_node * num_nodes)
+    return {
+        "MASTER_ADDR": main_address,
+        "MASTER_PORT": str(main_port),
+        "WORLD_SIZE": world_size,
+        "RANK": rank,
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(processes_per_node),
+        "GROUP_RANK": str(node_rank),
+        "NODE_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(num_nodes),
+        "ROLE_RANK": rank,
+        "ROLE_WORLD_SIZE": world_size,
+    }
+
+
+def export_rendezvous(main_address: str, main_port: int) -> None:
+    """Put the rendezvous point where ``init_process_group`` and every rank started later will read it.
+
+    The one place in fabric that writes ``MASTER_ADDR``/``MASTER_PORT``.
+    """
+    os.environ["MASTER_ADDR"] = str(main_address)
+    os.environ["MASTER_PORT"] = str(main_port)
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Ask the OS for a TCP port that nothing is bound to right now.
+
+    The socket is closed before returning, so another program could grab the port in between; callers
+    use it soon after.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

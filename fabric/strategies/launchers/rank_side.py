@@ -1,0 +1,166 @@
+"""What runs inside a rank so that it never outlives its supervisor and its failures are reported once.
+
+The parent-death policy, the same for every rank a fabric supervisor starts:
+
+* A rank started from a command line (``fabric run``, the popen launcher) begins life in a tiny
+  trampoline that asks Linux for ``PR_SET_PDEATHSIG`` (SIGKILL) and then becomes the real command.
+  From its first instruction on, the rank cannot outlive its supervisor, even one killed by SIGKILL.
+* As soon as fabric code runs in the rank (a launcher's child side, a multiprocessing worker),
+  :func:`follow_supervisor` takes over with a watchdog thread: when the supervisor is gone, the rank
+  stops itself *and its process group* (DataLoader workers, shell commands), which the kernel's
+  signal alone would leave behind.
+
+A rank tells its supervisor that it raised through an inherited pipe (:func:`report_raise`), before
+its interpreter shutdown, which may take long or hang.
+
+Only the standard library is used, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from fabric._core.processes import flush_stdio, kill_own_group_and_exit, process_alive
+
+__all__ = [
+    "follow_supervisor",
+    "format_rank_traceback",
+    "label_lines",
+    "print_rank_exception",
+    "rank_command",
+    "report_raise",
+    "write_stderr",
+]
+
+_PR_SET_PDEATHSIG = 1
+#: How often a rank's watchdog looks for its supervisor.
+_WATCH_INTERVAL_S = 0.2
+#: Seconds a rank whose supervisor died gives its own subprocesses between SIGTERM and SIGKILL.
+_ORPHAN_GRACE_S = 1.0
+
+# Started in place of the rank's command: bind to the supervisor's death, then become the command. A
+# fresh interpreter rather than preexec_fn, which is unsafe once the starting process has threads.
+_TRAMPOLINE = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    libc = ctypes.CDLL(None, use_errno=True)\n"
+    f"    libc.prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL, 0, 0, 0)\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"
+    "        os._exit(137)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def rank_command(command: list[str]) -> list[str]:
+    """The command line that starts ``command`` as a rank bound to this process's death (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return list(command)
+    return [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *command]
+
+
+def _set_parent_death_signal(signum: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def follow_supervisor(rank: int, supervisor_pid: int, expected_ppid: int | None = None) -> threading.Thread:
+    """Stop this rank and its process group as soon as the supervisor is gone (a daemon thread).
+
+    Polling ``getppid`` catches every way the supervisor can end, ``SIGKILL`` included.
+    ``supervisor_pid`` is also checked directly for ranks whose parent is a helper (the multiprocessing
+    fork server) rather than the supervisor. The kernel's parent-death signal is cleared: from here on
+    the watchdog decides, and it takes the rank's subprocesses along.
+    """
+    ppid = os.getppid() if expected_ppid is None else expected_ppid
+    _set_parent_death_signal(0)
+
+    def gone() -> bool:
+        if os.getppid() != ppid:
+            return True  # our parent exited and we were re-parented
+        return supervisor_pid != ppid and not process_alive(supervisor_pid)
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(_WATCH_INTERVAL_S)
+        write_stderr(
+            f"[rank {rank}] the launching process (pid {supervisor_pid}) is gone; stopping this rank and its subprocesses"
+        )
+        kill_own_group_and_exit(1, _ORPHAN_GRACE_S)
+
+    thread = threading.Thread(target=watch, name=f"fabric-supervisor-watchdog-rank{rank}", daemon=True)
+    thread.start()
+    return thread
+
+
+def report_raise(status_fd: int | None) -> None:
+    """Tell the supervisor, through the status pipe, that this rank raised and when."""
+    if status_fd is None:
+        return
+    try:
+        os.write(status_fd, f"E{time.monotonic():.6f}\n".encode())
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------------------
+# Rank-labelled output
+# --------------------------------------------------------------------------------------
+
+
+def write_stderr(message: str) -> None:
+    """Write and flush, ignoring a closed or broken stderr (we may be dying)."""
+    try:
+        sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def label_lines(text: str, rank: int) -> str:
+    """Prefix every line with ``[rank N]`` so interleaved output stays attributable."""
+    prefix = f"[rank {rank}] "
+    return "".join(prefix + line for line in text.splitlines(keepends=True))
+
+
+def format_rank_traceback(rank: int, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> str:
+    """The usual traceback text, every line labelled with the rank."""
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    if not text.endswith("\n"):
+        text += "\n"
+    return label_lines(text, rank)
+
+
+def print_rank_exception(
+    rank: int,
+    previous_hook: Callable[..., Any],
+    exc_type: type[BaseException],
+    exc: BaseException,
+    tb: TracebackType | None,
+) -> None:
+    """Print an unhandled exception once, labelled with the rank, keeping a richer hook if there is one."""
+    if getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
+        # torch.distributed wrapped our hook after init_process_group and prefixes every
+        # line with "[rankN]:" itself; a second label would only add noise.
+        previous_hook(exc_type, exc, tb)
+    elif previous_hook is sys.__excepthook__:
+        write_stderr(format_rank_traceback(rank, exc_type, exc, tb))
+    else:
+        # Somebody installed a richer hook (IPython, rich, ...): keep it, add the label.
+        write_stderr(f"[rank {rank}] unhandled exception:")
+        previous_hook(exc_type, exc, tb)
+        flush_stdio()

@@ -1,0 +1,427 @@
+"""One supervisor for every way rank processes are started: start, watch, find the cause, stop, report.
+
+``fabric run`` (ranks started from a command line), the popen launcher (rank 0 watching ranks
+1..N-1 that re-run the script) and the multiprocessing launcher (spawn/fork workers) differ only in
+how a rank process is made. Each hands :class:`Supervisor` a function that starts one rank and returns
+a :class:`RankProcess` handle (its pid, ``poll()``, and the descriptors that become readable when it
+ends or reports); everything else is decided here, once:
+
+* **Watching** uses ``poll`` on pidfds / sentinels / status pipes (never ``select``, which breaks above
+  descriptor 1023), so a waiting supervisor costs no CPU and wakes the moment a rank ends or reports.
+* **The root cause**: a rank that ended without raising (a signal, ``os._exit``, ``sys.exit(n)``) is
+  blamed before ranks that raised, because its peers' errors ("connection closed by peer") are echoes
+  of its death; among ranks that raised, the one that raised first is the cause. When only exceptions
+  are known, the supervisor listens :data:`SETTLE_S` longer for a death before it decides.
+* **The diagnosis** of a collective timeout (which rank never arrived, and where each one was) is
+  made before any rank is stopped, while the stuck ones can still be asked for their stacks.
+* **Stopping**: SIGTERM to every rank's process group, :data:`GRACE_S` seconds, then SIGKILL.
+* **Results are data**: :meth:`Supervisor.wait` returns a :class:`JobResult` (nothing failed, which
+  rank failed and how, or which signal the supervisor was asked to stop for); the caller decides
+  what to do: exit with its status, raise :class:`RankFailedError`, or start the ranks again.
+
+Only the standard library is used, so importing this module is cheap (``fabric run`` imports it).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from fabric._core.processes import kill_process_groups, signal_name
+from fabric.strategies.launchers.diagnosis import create_job_dir, diagnose, remove_job_dir
+
+__all__ = [
+    "GRACE_S",
+    "JobResult",
+    "POLL_S",
+    "RankFailedError",
+    "RankFailure",
+    "RankProcess",
+    "SETTLE_S",
+    "SignalPipe",
+    "Supervisor",
+    "describe_exit",
+    "only_in_this_process",
+]
+
+#: Seconds the ranks get between SIGTERM and SIGKILL when the job is stopped.
+GRACE_S = 2.0
+#: The longest a supervisor sleeps between two looks at its ranks (it wakes earlier on any news).
+POLL_S = 0.1
+#: After a rank reports an exception, how long to look for a peer that died abruptly (the likelier
+#: root cause) before blaming the rank that raised.
+SETTLE_S = 0.25
+
+
+def describe_exit(rank: int, exitcode: int | None, *, raised: bool = False) -> str:
+    """One sentence about how a rank ended, e.g. ``rank 1 was killed by SIGKILL``.
+
+    ``exitcode`` follows the ``subprocess``/``multiprocessing`` convention: a negative number is the
+    signal that killed the process.
+    """
+    if raised:
+        detail = f" (exit code {exitcode})" if exitcode is not None and exitcode > 0 else ""
+        return f"rank {rank} raised an exception{detail}"
+    if exitcode is None:
+        return f"rank {rank} failed"
+    if exitcode < 0:
+        return f"rank {rank} was killed by {signal_name(-exitcode)}"
+    return f"rank {rank} exited with code {exitcode}"
+
+
+class RankFailedError(RuntimeError):
+    """A rank of the job failed; carries which one, how, and its traceback text."""
+
+    def __init__(
+        self, rank: int, exitcode: int | None, traceback_text: str | None = None, diagnosis: str | None = None
+    ) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.traceback_text = traceback_text
+        #: for a collective timeout: which ranks did not arrive and where every rank was
+        self.diagnosis = diagnosis
+        message = describe_exit(rank, exitcode, raised=traceback_text is not None)
+        if traceback_text:
+            message = f"{message}:\n{traceback_text.rstrip()}"
+        if diagnosis:
+            message = f"{message}\n{diagnosis}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[type, tuple[int, int | None, str | None, str | None]]:
+        return (type(self), (self.rank, self.exitcode, self.traceback_text, self.diagnosis))
+
+
+class RankProcess(Protocol):
+    """What the supervisor needs of one rank process, however it was started."""
+
+    rank: int
+    #: ``time.monotonic()`` when the rank reported that it raised; None while it has not.
+    raised_at: float | None
+    #: the rank-labelled traceback it sent, where the way of starting it carries one
+    traceback: str | None
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def poll(self) -> int | None:
+        """The exit code once the process ended (negative: killed by that signal), else None."""
+
+    def fds(self) -> list[int]:
+        """Descriptors that become readable when the process ends or has something to report."""
+
+    def take_reports(self, ready: Collection[int]) -> None:
+        """Read what arrived on the descriptors in ``ready`` (never blocks)."""
+
+    def close(self) -> None:
+        """Release the descriptors; the process itself is left alone."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed."""
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    raised: bool
+    traceback: str | None = None
+
+    def describe(self) -> str:
+        what = describe_exit(self.rank, self.exitcode, raised=self.raised)
+        if self.raised and self.traceback is None:
+            what += " (traceback above)"
+        return f"{what}, pid {self.pid}"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """How a job (one attempt of it) ended: every rank succeeded, one failed first, or a signal stopped it."""
+
+    failure: RankFailure | None = None
+    signal: int | None = None
+    #: for a collective timeout: which ranks never arrived, and where every rank was
+    diagnosis: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and self.signal is None
+
+    @property
+    def exit_status(self) -> int:
+        """The status a command ends with: 0, the failed rank's code, or 128 + the signal."""
+        if self.signal is not None:
+            return 128 + self.signal
+        if self.failure is None:
+            return 0
+        code = self.failure.exitcode
+        if code is None or code == 0:
+            return 1
+        return 128 - code if code < 0 else code
+
+
+class SignalPipe:
+    """Signals delivered to this process, readable as a descriptor by any thread.
+
+    Python runs signal handlers only in the main thread, between bytecodes; a main thread blocked in a
+    collective would never see them. Through ``signal.set_wakeup_fd`` the C-level handler writes each
+    signal number to a pipe at once, so a supervisor waiting in ``poll`` wakes up and acts. Only
+    installed from the main thread and only when nobody else (an event loop) owns the wakeup fd.
+    """
+
+    def __init__(self, watched: Iterable[int]) -> None:
+        self.watched = set(watched)
+        self.fd: int | None = None
+        self._write_fd: int | None = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        try:
+            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)  # somebody else's: leave it to them
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self.fd, self._write_fd = read_fd, write_fd
+
+    def take(self) -> int | None:
+        """The first watched signal that arrived since the last call, or None."""
+        if self.fd is None:
+            return None
+        try:
+            data = os.read(self.fd, 512)
+        except OSError:  # nothing there (non-blocking read)
+            return None
+        return next((signum for signum in data if signum in self.watched), None)
+
+    def release_after_fork(self) -> None:
+        """In a forked copy of this process: stop feeding the pipe, which belongs to the parent."""
+        if self._write_fd is None:
+            return
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous != self._write_fd:
+                signal.set_wakeup_fd(previous)  # not ours any more: leave it alone
+        except (ValueError, OSError):
+            pass
+
+    def close(self) -> None:
+        if self.fd is None or self._write_fd is None:
+            return
+        self.release_after_fork()  # the same step: this process stops feeding the pipe
+        os.close(self.fd)
+        os.close(self._write_fd)
+        self.fd = self._write_fd = None
+
+
+def only_in_this_process(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
+    """A signal handler that acts only in the process that installed it.
+
+    A forked copy (a DataLoader worker, a fork-started rank before it resets its handlers) inherits
+    the handler but must not act for the job: there the signal gets its default action instead.
+    """
+    owner = os.getpid()
+
+    def handle(signum: int, frame: Any) -> Any:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return None
+        return handler(signum, frame)
+
+    return handle
+
+
+def wait_readable(fds: Sequence[int], timeout: float) -> list[int]:
+    """The descriptors in ``fds`` that are readable, waiting up to ``timeout`` seconds."""
+    if not fds:
+        time.sleep(timeout)
+        return []
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        events = poller.poll(int(timeout * 1000))
+    except (OSError, ValueError, AttributeError):  # AttributeError: no poll() on Windows
+        time.sleep(timeout)
+        return []
+    return [fd for fd, _ in events]
+
+
+class Supervisor:
+    """The ranks of one node's job: start them, watch them, find the root cause, stop them.
+
+    Args:
+        start_rank: starts the process of global rank ``rank`` and returns its handle; it is given the
+            job folder (for :data:`~fabric._core.env.JOB_DIR_ENV`) as second argument.
+        ranks: the global ranks this supervisor starts.
+        own_rank: the rank of the calling process when it is itself one (rank 0 under popen): its
+            stack then appears in a diagnosis.
+        signals: signals that end :meth:`wait` with ``JobResult(signal=...)``.
+
+    ``run()`` is start, wait, stop; calling it again starts every rank anew, which is where restarts
+    live. :meth:`stop` may be called from another thread while :meth:`wait` runs: ``wait`` then
+    returns the first rank that died as the failure.
+    """
+
+    def __init__(
+        self,
+        start_rank: Callable[[int, str], RankProcess],
+        ranks: Sequence[int],
+        own_rank: int | None = None,
+        signals: SignalPipe | None = None,
+    ) -> None:
+        self._start_rank = start_rank
+        self.rank_ids = list(ranks)
+        self.own_rank = own_rank
+        self.signals = signals
+        #: the folder for the ranks' tracebacks and stacks, one per attempt (made by :meth:`start`)
+        self.job_dir: str | None = None
+        self.ranks: list[RankProcess] = []
+        self._ended_at: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start every rank (a fresh attempt); if one cannot be started, stop those that were."""
+        self.close()
+        job_dir = self.job_dir = create_job_dir()
+        self.ranks, self._ended_at = [], {}
+        try:
+            for rank in self.rank_ids:
+                self.ranks.append(self._start_rank(rank, job_dir))
+        except BaseException:
+            self.stop()
+            self.close()
+            raise
+
+    def run(self, report: Callable[[str], object] | None = None) -> JobResult:
+        """Start the ranks, wait for the job's end, and stop whatever is left; the result says how it went.
+
+        ``report`` (e.g. a print to stderr) is told why the job is being stopped, before it is: the
+        failed rank and how it ended, or the signal, and the diagnosis of a collective timeout. A
+        signal is passed on to the ranks (Ctrl-C reaches them as a KeyboardInterrupt).
+        """
+        self.start()
+        result = JobResult()
+        try:
+            result = self.wait()
+            if report is not None:
+                others = len(self.alive())
+                if result.failure is not None:
+                    report(f"{result.failure.describe()}; stopping the other {others} rank(s) on this node")
+                elif result.signal is not None:
+                    report(f"received {signal_name(result.signal)}; stopping {others} rank(s) on this node")
+                if result.diagnosis:
+                    report(result.diagnosis)
+        finally:
+            self.stop(result.signal or signal.SIGTERM)
+        if result.failure is not None:  # now that it is stopped, its exit code is known
+            handle = self.rank(result.failure.rank)
+            result = replace(result, failure=replace(result.failure, exitcode=handle.poll()))
+        return result
+
+    def wait(self) -> JobResult:
+        """Block until every rank succeeded, one failed (the root cause is returned), or a signal came."""
+        while True:
+            signum = self.signals.take() if self.signals is not None else None
+            if signum is not None:
+                return JobResult(signal=signum)
+            if self._failed():
+                cause = self.root_cause()
+                assert cause is not None
+                return JobResult(failure=self.failure_of(cause), diagnosis=self.diagnose())
+            if all(code == 0 for code in self._exit_codes()):
+                return JobResult()
+            self._watch(POLL_S)
+
+    def stop(self, signum: int = signal.SIGTERM, grace: float = GRACE_S) -> None:
+        """Send ``signum`` to every rank's process group; SIGKILL what is left after ``grace`` seconds."""
+        pids = [handle.pid for handle in self.ranks if handle.pid is not None]
+        kill_process_groups(pids, signum, grace, reap=self._exit_codes)
+
+    def close(self) -> None:
+        """Release descriptors and the job folder (call after :meth:`stop`)."""
+        for handle in self.ranks:
+            handle.close()
+        remove_job_dir(self.job_dir)
+        self.job_dir = None
+
+    # -- questions ----------------------------------------------------------------------------
+
+    def rank(self, rank: int) -> RankProcess:
+        return next(handle for handle in self.ranks if handle.rank == rank)
+
+    def alive(self) -> list[RankProcess]:
+        return [handle for handle, code in zip(self.ranks, self._exit_codes()) if code is None]
+
+    def root_cause(self, settle: float = SETTLE_S) -> RankProcess | None:
+        """The failed rank most likely at the root of the failure (see the module's rule), or None."""
+        deadline = time.monotonic() + settle
+        while True:
+            failed = self._failed()
+            died = [handle for handle in failed if handle.raised_at is None]
+            remaining = deadline - time.monotonic()
+            if died or remaining <= 0 or not self.alive():
+                break
+            self._watch(min(remaining, POLL_S))
+        if died:
+            return min(died, key=lambda handle: (self._ended_at.get(handle.rank, float("inf")), handle.rank))
+        raised = [handle for handle in failed if handle.raised_at is not None]
+        return min(raised, key=lambda handle: (handle.raised_at, handle.rank)) if raised else None
+
+    def failure_of(self, handle: RankProcess) -> RankFailure:
+        return RankFailure(handle.rank, handle.pid, handle.poll(), handle.raised_at is not None, handle.traceback)
+
+    def diagnose(self, own_trace: str | None = None, own_running: bool = True) -> str | None:
+        """For a collective timeout: which ranks did not arrive and where each one was (else None).
+
+        When the calling process is a rank (``own_rank``): ``own_trace`` is its traceback if it raised;
+        ``own_running`` says whether it is still training (its stack is then part of the picture).
+        """
+        live = {h.rank: h.pid for h in self.alive() if h.raised_at is None and h.pid is not None}
+        raised = {h.rank: h.traceback for h in self.ranks if h.traceback is not None}
+        own = self.own_rank
+        if own is not None and own_trace is not None:
+            raised[own] = own_trace
+        elif own is not None and own_running:
+            live[own] = os.getpid()
+        try:
+            return diagnose(self.job_dir, live, raised, own_rank=own if own in live else None)
+        except Exception as err:  # a diagnosis must never stand in the way of the teardown
+            return f"fabric: could not diagnose the failure ({type(err).__name__}: {err})"
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _exit_codes(self) -> list[int | None]:
+        codes = [handle.poll() for handle in self.ranks]
+        now = time.monotonic()
+        for handle, code in zip(self.ranks, codes):
+            if code is not None:
+                self._ended_at.setdefault(handle.rank, now)
+        return codes
+
+    def _failed(self) -> list[RankProcess]:
+        return [h for h, code in zip(self.ranks, self._exit_codes()) if h.raised_at is not None or code not in (None, 0)]
+
+    def _watch(self, timeout: float) -> None:
+        """Sleep until a rank ends or reports, a signal arrives, or ``timeout`` passes; take the news in."""
+        fds = [fd for handle in self.ranks for fd in handle.fds()]
+        if self.signals is not None and self.signals.fd is not None:
+            fds.append(self.signals.fd)
+        ready = set(wait_readable(fds, timeout))
+        with self._lock:
+            for handle in self.ranks:
+                handle.take_reports(ready)

@@ -1,0 +1,124 @@
+"""The one supervisor, driven directly: real rank processes started from command lines.
+
+Each rank here is a few lines of Python run through ``CommandRank`` (the handle ``fabric run`` and the
+popen launcher use). A rank "raises" the way a supervised rank does: it writes its report to the
+status pipe named in ``FABRIC_STATUS_FD``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+import time
+
+import pytest
+
+from fabric.strategies.launchers.command_rank import CommandRank
+from fabric.strategies.launchers.supervisor import JobResult, RankFailure, SignalPipe, Supervisor
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("the supervisor tests use pidfds and /proc", allow_module_level=True)
+
+# What each rank runs, by name; {delay} is filled in per test.
+_BODIES = {
+    "ok": "import time; time.sleep({delay})",
+    "exit3": "import time, sys; time.sleep({delay}); sys.exit(3)",
+    "sigkill": "import os, signal, time; time.sleep({delay}); os.kill(os.getpid(), signal.SIGKILL)",
+    # report "I raised" as a supervised rank's excepthook does, then end like an uncaught exception
+    "raise": (
+        "import os, sys, time; time.sleep({delay}); fd = int(os.environ['FABRIC_STATUS_FD']);"
+        " os.write(fd, ('E%.6f\\n' % time.monotonic()).encode()); sys.exit(1)"
+    ),
+    "sleep": "import time; time.sleep(60)",
+}
+
+
+def _supervisor(plan: dict[int, tuple[str, float]], **kwargs) -> Supervisor:
+    def start_rank(rank: int, job_dir: str) -> CommandRank:
+        body, delay = plan[rank]
+        command = [sys.executable, "-c", _BODIES[body].format(delay=delay)]
+        return CommandRank(rank, command, dict(os.environ), job_dir)
+
+    return Supervisor(start_rank, sorted(plan), **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_job_and_a_failed_one_are_results_and_the_job_can_run_again() -> None:
+    plan = {0: ("ok", 0.0), 1: ("ok", 0.3)}
+    supervisor = _supervisor(plan)
+    assert supervisor.run() == JobResult()
+    # the same supervisor starts every rank anew: the place where restarts live
+    first_pids = [handle.pid for handle in supervisor.ranks]
+    plan.update({0: ("sleep", 0), 1: ("exit3", 0.2), 2: ("sleep", 0)})
+    supervisor.rank_ids = [0, 1, 2]
+    started = time.monotonic()
+    result = supervisor.run()
+    assert time.monotonic() - started < 10  # the sleeping ranks were stopped
+    assert result.failure is not None and result.failure.rank == 1 and result.failure.exitcode == 3
+    assert not result.failure.raised and result.exit_status == 3
+    assert "rank 1 exited with code 3, pid" in result.failure.describe()
+    assert not {handle.pid for handle in supervisor.ranks} & set(first_pids)
+    assert not supervisor.alive()
+    supervisor.close()
+    assert supervisor.job_dir is None
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_killed_outright_is_blamed_before_peers_that_raise_after_it() -> None:
+    # rank 0 "raises" 0.1 s after rank 1 died: an echo of the death, like "connection closed by peer"
+    result = _supervisor({0: ("raise", 0.6), 1: ("sigkill", 0.5), 2: ("sleep", 0)}).run()
+    assert result.failure is not None and result.failure.rank == 1
+    assert result.failure.exitcode == -signal.SIGKILL and result.exit_status == 128 + signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+def test_among_ranks_that_raised_the_first_is_the_cause() -> None:
+    result = _supervisor({0: ("raise", 0.8), 1: ("raise", 0.5), 2: ("sleep", 0)}).run()
+    assert result.failure is not None and result.failure.rank == 1 and result.failure.raised
+    assert result.exit_status == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_signal_ends_the_wait_and_reaches_the_ranks() -> None:
+    previous = signal.signal(signal.SIGUSR2, lambda *_: None)
+    signals = SignalPipe([signal.SIGUSR2])
+    try:
+        supervisor = _supervisor({0: ("sleep", 0), 1: ("sleep", 0)}, signals=signals)
+        supervisor.start()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        result = supervisor.wait()
+        supervisor.stop()
+    finally:
+        signals.close()
+        signal.signal(signal.SIGUSR2, previous)
+    assert result.signal == signal.SIGUSR2 and result.exit_status == 128 + signal.SIGUSR2
+    assert not supervisor.alive()
+    supervisor.close()
+
+
+@pytest.mark.timeout(60)
+def test_descriptors_above_1023_are_watched() -> None:
+    """``select`` cannot watch a descriptor above 1023; a big job (or a busy process) has them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        result = _supervisor({0: ("ok", 0.2), 1: ("exit3", 0.4)}).run()
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert result.failure is not None and result.failure.rank == 1 and result.failure.exitcode == 3
+
+
+def test_exit_status_of_each_kind_of_result() -> None:
+    assert JobResult().ok and JobResult().exit_status == 0
+    assert JobResult(signal=signal.SIGINT).exit_status == 130
+    assert JobResult(failure=RankFailure(1, 10, -signal.SIGKILL, False)).exit_status == 137
+    assert JobResult(failure=RankFailure(1, 10, 5, False)).exit_status == 5
+    assert JobResult(failure=RankFailure(1, 10, None, True)).exit_status == 1  # raised, still shutting down
+    assert RankFailure(2, 11, 1, True).describe() == "rank 2 raised an exception (exit code 1) (traceback above), pid 11"
