@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from fabric._core.devices import DevicesSyntaxError, parse_devices
 from fabric.accelerators.accelerator import Accelerator
 from fabric.utilities.exceptions import InvalidArgumentError
 
@@ -82,44 +83,22 @@ def num_cuda_devices() -> int:
 def parse_gpu_ids(devices: Any, available: int, accelerator: str) -> list[int]:
     """Turn a user's ``devices=`` into GPU indices, checked against the ``available`` count.
 
-    Accepted: "auto" or -1 / "-1" (all), an int n > 0 or a string of one ("2": the first n GPUs),
-    a comma-separated string of indices ("0,1" or "1,"), a list/tuple of indices.
+    The syntax is ``fabric._core.devices``'s, the one ``fabric run --devices`` accepts too.
     """
-    # a wrong type is a TypeError in Lightning Fabric, a ValueError here before: the error is both
-    wrong_type = isinstance(devices, bool) or not isinstance(devices, (int, str, list, tuple))
-    invalid = (InvalidArgumentError if wrong_type else ValueError)(
-        f"devices={devices!r} is not valid for the {accelerator.upper()} accelerator; accepted: 'auto', -1,"
-        " a positive int, a string like '0,1', or a list of indices like [0, 1]"
-    )
-    if isinstance(devices, bool) or devices is None:
-        raise invalid
-    if devices == "auto" or devices == -1 or devices == "-1":
+    try:
+        parsed = parse_devices(devices)
+    except DevicesSyntaxError:
+        # a wrong type is a TypeError in Lightning Fabric, a ValueError here before: the error is both
+        wrong_type = isinstance(devices, bool) or not isinstance(devices, (int, str, list, tuple))
+        raise (InvalidArgumentError if wrong_type else ValueError)(
+            f"devices={devices!r} is not valid for the {accelerator.upper()} accelerator; accepted: 'auto', -1,"
+            " a positive int, a string like '0,1', or a list of indices like [0, 1]"
+        ) from None
+    if parsed == "all":
         if available == 0:
             raise RuntimeError(f"devices={devices!r} asks for every {accelerator.upper()} device, but none is available")
         return list(range(available))
-    if isinstance(devices, int):
-        if devices <= 0:
-            raise invalid
-        indices = list(range(devices))
-    elif isinstance(devices, str):
-        text = devices.strip()
-        if "," in text:
-            parts = [part.strip() for part in text.split(",") if part.strip()]
-            if not parts or not all(part.isdigit() for part in parts):
-                raise invalid
-            indices = [int(part) for part in parts]
-        elif text.isdigit() and int(text) > 0:
-            indices = list(range(int(text)))
-        else:
-            raise invalid
-    elif isinstance(devices, (list, tuple)):
-        if not devices or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in devices):
-            raise invalid
-        indices = list(devices)
-    else:
-        raise invalid
-    if len(set(indices)) != len(indices):
-        raise ValueError(f"devices={devices!r} names a device more than once")
+    indices = list(range(parsed)) if isinstance(parsed, int) else parsed
     missing = [i for i in indices if i >= available]
     if missing:
         have = f"only {available} (indices 0..{available - 1}) are available" if available else "none is available"

@@ -14,30 +14,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-PRECISION_ALIASES: dict[Any, str] = {
-    32: "32-true",
-    "32": "32-true",
-    64: "64-true",
-    "64": "64-true",
-    16: "16-mixed",
-    "16": "16-mixed",
-    "bf16": "bf16-mixed",
-}
-PRECISION_VALUES = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
-
-
-def normalize_precision(precision: Any) -> str:
-    """Map a user's ``precision=`` (including the short aliases) to one of ``PRECISION_VALUES``."""
-    if precision is None:
-        return "32-true"
-    if isinstance(precision, bool):
-        precision = str(precision)
-    canonical = PRECISION_ALIASES.get(precision, precision)
-    if canonical not in PRECISION_VALUES:
-        accepted = ", ".join(repr(v) for v in (*PRECISION_VALUES, 32, 64, 16, "bf16"))
-        raise ValueError(f"precision={precision!r} is not supported; accepted: {accepted}")
-    return canonical
-
+from fabric._core.names import PRECISION_ALIASES, PRECISION_VALUES, normalize_precision
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
