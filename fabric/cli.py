@@ -38,43 +38,37 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fabric._core.env import find_free_port, global_rank, rank_environment
 from typing import Any, NoReturn
+
+from fabric._core.devices import DevicesSyntaxError, parse_devices
+from fabric._core.env import fabric_variable, find_free_port, global_rank, rank_environment
+from fabric._core.names import ACCELERATOR_CHOICES, PRECISION_ALIASES, PRECISION_VALUES
 
 __all__ = ["main", "run", "build_run_parser"]
 
 _PROG = "fabric"
-ENV_PREFIX = "FABRIC_"
-
-# Kept here (not imported from the accelerator/precision modules, which import torch) so `fabric run`
-# starts fast; tests/test_cli.py checks they agree with the real registries.
-ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
-PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true", "32", "64", "16", "bf16")
-# Strategies that start processes of their own (from inside the script) or need another launcher.
-_NOT_FOR_CLI = {
-    "ddp_spawn": "it starts its own processes from inside the script",
-    "ddp_fork": "it starts its own processes from inside the script",
-    "ddp_notebook": "it starts its own processes from inside the script",
-    "ddp_forkserver": "it starts its own processes from inside the script",
-    "ddp_spawn_find_unused_parameters_true": "it starts its own processes from inside the script",
-    "horovod": "Horovod jobs are started by horovodrun: `horovodrun -np N python SCRIPT`",
+# `fabric run` hands these to the script's Fabric(); its choices are the core's names (no torch import).
+ACCELERATORS = ACCELERATOR_CHOICES
+PRECISIONS = (*PRECISION_VALUES, *(alias for alias in PRECISION_ALIASES if isinstance(alias, str)))
+# Why a strategy cannot be started by `fabric run`, by how its processes come to exist.
+_REFUSED = {
+    "from_function": "it starts its own processes from inside the script",
+    "horovodrun": "Horovod jobs are started by horovodrun: `horovodrun -np N python SCRIPT`",
 }
-# Strategies that run one process per node whatever --devices says.
-_ONE_PROCESS_STRATEGIES = ("dp", "single_device")
 
 DEFAULT_MAIN_ADDRESS = "127.0.0.1"
 DEFAULT_MAIN_PORT = 29400
 
 
-
 # ---- options ------------------------------------------------------------------------------------------
 
 
-def _strategies() -> tuple[str, ...]:
-    """Strategy names the CLI accepts: the registry minus those that start processes themselves."""
-    from fabric.strategies import STRATEGY_REGISTRY  # the registry module itself imports nothing heavy
+def _strategies() -> tuple[tuple[str, ...], dict[str, str]]:
+    """The strategy names the CLI accepts, and why each of the others is refused (from the registry)."""
+    from fabric.strategies import STRATEGY_REGISTRY, strategy_launch  # the registry imports nothing heavy
 
-    return ("auto", *(name for name in STRATEGY_REGISTRY if name not in _NOT_FOR_CLI))
+    refused = {name: _REFUSED[strategy_launch(name)] for name in STRATEGY_REGISTRY if strategy_launch(name) in _REFUSED}
+    return ("auto", *(name for name in STRATEGY_REGISTRY if name not in refused)), refused
 
 
 def _choice(option: str, accepted: Sequence[str], extra: dict[str, str] | None = None) -> Any:
@@ -92,23 +86,23 @@ def _choice(option: str, accepted: Sequence[str], extra: dict[str, str] | None =
 
 
 def _devices(value: str) -> str:
+    """Check ``--devices`` with the core's device syntax; pass it on as text the connector reads back."""
     text = value.strip()
-    listed = text.startswith("[") and text.endswith("]")  # "[0, 1]": indices, like "0,1"
-    inner = text[1:-1] if listed else text
-    if text in ("auto", "-1"):
+    try:
+        parsed = parse_devices(text)
+    except DevicesSyntaxError:
+        raise argparse.ArgumentTypeError(
+            f"--devices={value!r} is not valid; accepted: a positive number of devices per node (e.g. 2),"
+            " -1 or 'auto' (every GPU), or device indices such as '0,1'"
+        ) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--devices={value!r} names a device more than once") from None
+    if parsed == "all":
         return text
-    if inner.isdigit() and int(inner) > 0 and not listed:
-        return str(int(inner))
-    parts = [p.strip() for p in inner.split(",") if p.strip()]
-    if ("," in inner or listed) and parts and all(p.isdigit() for p in parts):
-        if len(set(parts)) != len(parts):
-            raise argparse.ArgumentTypeError(f"--devices={value!r} names a device more than once")
-        # a single index keeps its comma ("0,": device 0, not a count of 0 devices)
-        return ",".join(str(int(p)) for p in parts) + ("," if len(parts) == 1 else "")
-    raise argparse.ArgumentTypeError(
-        f"--devices={value!r} is not valid; accepted: a positive number of devices per node (e.g. 2),"
-        " -1 or 'auto' (every GPU), or device indices such as '0,1'"
-    )
+    if isinstance(parsed, int):
+        return str(parsed)
+    # a single index keeps its comma ("0,": device 0, not a count of 0 devices)
+    return ",".join(map(str, parsed)) + ("," if len(parsed) == 1 else "")
 
 
 def _positive_int(option: str) -> Any:
@@ -134,14 +128,14 @@ def _port(value: str) -> int:
 
 # (dest, flags, argparse keyword arguments); the flag spellings are Lightning Fabric's.
 def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
-    strategies = _strategies()
+    strategies, refused = _strategies()
     return [
         ("accelerator", ("--accelerator",), dict(
             type=_choice("--accelerator", ACCELERATORS), default=None, metavar="NAME",
             help=f"The hardware to run on: {', '.join(ACCELERATORS)}. Default: the script's choice ('auto')."),
         ),
         ("strategy", ("--strategy",), dict(
-            type=_choice("--strategy", strategies, _NOT_FOR_CLI), default=None, metavar="NAME",
+            type=_choice("--strategy", strategies, refused), default=None, metavar="NAME",
             help=f"How to run across devices: {', '.join(strategies)}. Default: the script's choice ('auto')."),
         ),
         ("devices", ("--devices",), dict(
@@ -308,8 +302,11 @@ def _gpu_count() -> int:
 
 def processes_per_node(config: RunConfig) -> int:
     """How many processes this node runs."""
-    if config.strategy in _ONE_PROCESS_STRATEGIES:
-        return 1
+    if config.strategy not in (None, "auto"):
+        from fabric.strategies import strategy_launch
+
+        if strategy_launch(config.strategy) == "one_per_node":
+            return 1
     devices = config.devices
     if "," in devices:
         return len([index for index in devices.split(",") if index])
@@ -330,11 +327,11 @@ def fabric_environment(config: RunConfig, nprocs: int) -> dict[str, str]:
     for name in ("accelerator", "strategy", "precision"):
         value = getattr(config, name)
         if value is not None:
-            env[ENV_PREFIX + name.upper()] = value
+            env[fabric_variable(name)] = value
     if "devices" in config.given or nprocs > 1 or config.num_nodes > 1:
-        env[ENV_PREFIX + "DEVICES"] = config.devices
+        env[fabric_variable("devices")] = config.devices
     if "num_nodes" in config.given or config.num_nodes > 1:
-        env[ENV_PREFIX + "NUM_NODES"] = str(config.num_nodes)
+        env[fabric_variable("num_nodes")] = str(config.num_nodes)
     return env
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fabric._core.env import fabric_variable
 from fabric.accelerators import ACCELERATOR_REGISTRY, Accelerator, CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from fabric.plugins.io import CheckpointIO
 from fabric.plugins.precision import Precision, normalize_precision, precision_for
 from fabric.strategies import STRATEGY_REGISTRY, strategy_class
 from fabric.strategies.strategy import Strategy
 
-# set by `fabric run` so a script's plain `Fabric()` picks up the command-line options
-ENV_PREFIX = "FABRIC_"
 _ENV_ARGUMENTS = ("accelerator", "strategy", "devices", "num_nodes", "precision")
 _DEFAULTS: dict[str, Any] = {"accelerator": "auto", "strategy": "auto", "devices": "auto", "num_nodes": 1, "precision": None}
 
@@ -52,6 +51,7 @@ class Connector:
         self.accelerator = _select_accelerator(accelerator, strategy)
         devices, self.num_nodes = _devices_from_cluster(devices, self.num_nodes, environment)
         self.parallel_devices = self.accelerator.get_parallel_devices(self.accelerator.parse_devices(devices))
+        environment.validate_settings(num_devices=len(self.parallel_devices), num_nodes=self.num_nodes)
         device_type = self.parallel_devices[0].type
         if precision_plugin is None:
             self.precision = _precision_on_device(self.precision, device_type)
@@ -109,7 +109,7 @@ class Connector:
 
 def _from_environment(name: str, value: Any) -> Any:
     """The value of ``FABRIC_<NAME>`` (set by ``fabric run``) where the code left the argument at its default."""
-    env_value = os.environ.get(ENV_PREFIX + name.upper())
+    env_value = os.environ.get(fabric_variable(name))
     if env_value is None:
         return value
     default = _DEFAULTS[name]
@@ -120,7 +120,7 @@ def _from_environment(name: str, value: Any) -> Any:
         )
     if name == "num_nodes":
         if not env_value.isdigit():
-            raise ValueError(f"{ENV_PREFIX}NUM_NODES={env_value!r} is not a positive integer")
+            raise ValueError(f"{fabric_variable(name)}={env_value!r} is not a positive integer")
         return int(env_value)
     if name == "devices" and env_value.lstrip("-").isdigit():
         return int(env_value)
@@ -184,13 +184,14 @@ def _select_accelerator(accelerator: Any, strategy: Any) -> Accelerator:
 
 def _devices_from_cluster(devices: Any, num_nodes: int, environment: Any) -> tuple[Any, int]:
     """Under torchrun, ``devices="auto"`` means the processes torchrun started on each node."""
-    local_world = os.environ.get("LOCAL_WORLD_SIZE")
-    world = os.environ.get("WORLD_SIZE")
-    if devices != "auto" or type(environment).__name__ != "TorchElasticEnvironment" or not local_world:
+    from fabric.plugins.environments import TorchElasticEnvironment
+
+    if devices != "auto" or not isinstance(environment, TorchElasticEnvironment):
         return devices, num_nodes
-    per_node = int(local_world)
-    if num_nodes == 1 and world and int(world) > per_node:
-        num_nodes = int(world) // per_node
+    per_node = environment.local_world_size()
+    world = environment.world_size()
+    if num_nodes == 1 and world > per_node:
+        num_nodes = world // per_node
     return per_node, num_nodes
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.machinery
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,10 +70,11 @@ TORCHELASTIC = dict(
 )  # fmt: skip
 SLURM = dict(
     SLURM_NTASKS="8", SLURM_JOB_NAME="train", SLURM_PROCID="6", SLURM_LOCALID="2", SLURM_NODEID="1",
-    SLURM_NODELIST="gpu[007-008]", SLURM_JOB_ID="123456",
+    SLURM_NODELIST="gpu[007-008]", SLURM_JOB_ID="123456", SLURM_NTASKS_PER_NODE="4",
 )  # fmt: skip
 LSF = dict(
-    LSB_JOBID="4321", LSB_DJOB_RANKFILE="/nonexistent", JSM_NAMESPACE_LOCAL_RANK="1", JSM_NAMESPACE_SIZE="4",
+    LSB_JOBID="4321", LSB_DJOB_RANKFILE=str(REPO_ROOT / "tests" / "helpers" / "lsf_rankfile.txt"),
+    JSM_NAMESPACE_LOCAL_RANK="1", JSM_NAMESPACE_SIZE="4",
     JSM_NAMESPACE_RANK="3",
 )  # fmt: skip
 MPI = dict(OMPI_COMM_WORLD_SIZE="4")
@@ -158,8 +160,11 @@ class FakeMPINoShared(FakeMPI):
         return super().__getattribute__(name)
 
 
-def install_fake_mpi4py(monkeypatch, mpi: FakeMPI | None = None) -> FakeMPI:
+def install_fake_mpi4py(monkeypatch, mpi: FakeMPI | None = None, world_size: int = 2) -> FakeMPI:
+    """Install the fake; the calling thread sees itself as rank 0 of ``world_size`` processes."""
     mpi = mpi or FakeMPI()
+    mpi.local.world = FakeComm(_Hub(world_size), 0, mpi)
+    mpi.local.host = "host0"
     module = types.ModuleType("mpi4py")
     module.__spec__ = importlib.machinery.ModuleSpec("mpi4py", None)
     module.MPI = mpi
@@ -170,7 +175,7 @@ def install_fake_mpi4py(monkeypatch, mpi: FakeMPI | None = None) -> FakeMPI:
 def run_fake_mpi_job(monkeypatch, mpi: FakeMPI, hosts: list[str]) -> list[dict]:
     """Run one MPIEnvironment per simulated rank; rank i lives on hosts[i]."""
     install_fake_mpi4py(monkeypatch, mpi)
-    monkeypatch.setattr(envs, "_hostname", lambda: mpi.Get_processor_name())
+    monkeypatch.setattr(socket, "gethostname", lambda: mpi.Get_processor_name())
     world = _Hub(len(hosts))
     results: list = [None] * len(hosts)
     errors: list = []
@@ -223,7 +228,8 @@ def run_fake_mpi_job(monkeypatch, mpi: FakeMPI, hosts: list[str]) -> list[dict]:
         (dict(MPI_LOCALNRANKS="2"), True, MPIEnvironment),
         ({**MPI, **KUBEFLOW}, True, MPIEnvironment),
         (KUBEFLOW, False, KubeflowEnvironment),
-        ({**KUBEFLOW, "TORCHELASTIC_RUN_ID": "x"}, False, LightningEnvironment),
+        ({**KUBEFLOW, "TORCHELASTIC_RUN_ID": "x"}, False, TorchElasticEnvironment),  # torchrun in a pod
+        (dict(TORCHELASTIC_RUN_ID="x", WORLD_SIZE="1", RANK="0"), False, TorchElasticEnvironment),  # as Lightning
         ({**KUBEFLOW, "SLURM_JOB_ID": "1"}, False, LightningEnvironment),
         ({**KUBEFLOW, "GROUP_RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, False, TorchElasticEnvironment),
     ],
@@ -239,10 +245,12 @@ def test_detection_priority(monkeypatch, env, fake_mpi, expected):
 
 
 @pytest.mark.parametrize("missing", ["RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"])
-def test_torchelastic_detect_needs_all_markers(monkeypatch, missing):
+def test_torchelastic_detect_needs_the_run_id_or_all_markers(monkeypatch, missing):
     set_env(monkeypatch, **TORCHELASTIC)
     assert TorchElasticEnvironment.detect()
     monkeypatch.delenv(missing)
+    assert TorchElasticEnvironment.detect()  # torchrun's run id alone is enough, as for Lightning
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert not TorchElasticEnvironment.detect()
 
 
@@ -357,36 +365,26 @@ def test_lightning_setters_reject_bad_values(method, value):
         getattr(LightningEnvironment(), method)(value)
 
 
-def test_lightning_free_port_is_free_stable_and_exported():
+def test_lightning_free_port_is_free_stable_and_not_exported():
     env = LightningEnvironment()
     port = env.main_port
     assert 1 <= port <= 65535
-    assert os.environ["MASTER_PORT"] == str(port)
+    # environments never write the rendezvous point: the launcher exports it before starting ranks
+    assert "MASTER_PORT" not in os.environ
     # Nothing holds it: we can bind it ourselves.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))
     assert env.main_port == port
-    assert LightningEnvironment().main_port == port  # a later instance (or child process) agrees
 
 
-def test_lightning_teardown_removes_only_the_port_it_wrote(monkeypatch):
+def test_lightning_teardown_clears_world_size_and_keeps_the_port(monkeypatch):
+    set_env(monkeypatch, MASTER_PORT="5555", WORLD_SIZE="4")
     env = LightningEnvironment()
-    env.main_port
+    assert env.main_port == 5555
     env.teardown()
-    assert "MASTER_PORT" not in os.environ
-
-    set_env(monkeypatch, MASTER_PORT="5555")
-    user_env = LightningEnvironment()
-    assert user_env.main_port == 5555
-    user_env.teardown()
+    assert "WORLD_SIZE" not in os.environ  # as Lightning's teardown does
     assert os.environ["MASTER_PORT"] == "5555"
-
-    monkeypatch.delenv("MASTER_PORT")
-    env = LightningEnvironment()
-    env.main_port
-    set_env(monkeypatch, MASTER_PORT="6666")  # someone replaced it after us
-    env.teardown()
-    assert os.environ["MASTER_PORT"] == "6666"
+    env.teardown()  # a second teardown is harmless
 
 
 def test_find_free_port_returns_bindable_port():
@@ -458,8 +456,21 @@ def test_slurm_job_nodelist_fallback_and_missing(monkeypatch):
     set_env(monkeypatch, SLURM_JOB_NODELIST="cn[10-11]")
     assert SLURMEnvironment().main_address == "cn10"
     monkeypatch.delenv("SLURM_JOB_NODELIST")
-    with pytest.raises(ValueError, match="SLURM_NODELIST"):
-        SLURMEnvironment().main_address
+    assert SLURMEnvironment().main_address == "127.0.0.1"  # Lightning's default
+    assert "MASTER_ADDR" not in os.environ  # read, never written
+
+
+def test_slurm_requeue_settings_and_inconsistent_srun(monkeypatch):
+    env = SLURMEnvironment()
+    assert env.auto_requeue is True and env.requeue_signal == signal.SIGUSR1
+    env = SLURMEnvironment(auto_requeue=False, requeue_signal=signal.SIGUSR2)
+    assert env.auto_requeue is False and env.requeue_signal == signal.SIGUSR2
+    set_env(monkeypatch, **SLURM)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")  # `srun --ntasks=8` alone
+    with pytest.raises(RuntimeError, match="--ntasks=8.*--ntasks-per-node"):
+        SLURMEnvironment()
+    set_env(monkeypatch, SLURM_NTASKS="1")
+    SLURMEnvironment()  # one task needs no per-node count
 
 
 @pytest.mark.parametrize("job_id", [0, 1, 9999, 10000, 123456, 987654321])
@@ -473,7 +484,8 @@ def test_slurm_port_range(monkeypatch, job_id):
 def test_slurm_validate_settings(monkeypatch):
     set_env(monkeypatch, **SLURM)
     env = SLURMEnvironment()
-    env.validate_settings(num_devices=3, num_nodes=5)  # nothing to compare against yet
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE")
+    env.validate_settings(num_devices=3, num_nodes=5)  # nothing to compare against
     set_env(monkeypatch, SLURM_NTASKS_PER_NODE="4", SLURM_NNODES="2")
     env.validate_settings(num_devices=4, num_nodes=2)
     with pytest.raises(ValueError, match=r"SLURM_NTASKS_PER_NODE=4.*devices=2"):
@@ -569,36 +581,48 @@ def lsf(monkeypatch, tmp_path):
 
 
 def test_lsf_values(monkeypatch, lsf):
-    monkeypatch.setattr(envs, "_hostname", lambda: "nodeB")
+    monkeypatch.setattr(socket, "gethostname", lambda: "nodeB")
     env = LSFEnvironment()
     assert env.creates_processes_externally is True
     assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (4, 3, 1, 1)
     assert env.main_address == "nodeA"  # the launch node batch01 is skipped
-    assert env.main_port == 10000 + 4321
+    assert env.main_port == 10000 + 4321 % 1000  # Lightning's default port
     set_env(monkeypatch, MASTER_PORT="20001")
-    assert env.main_port == 20001
+    assert LSFEnvironment().main_port == 20001
     env.set_world_size(1)
     assert env.world_size() == 4
 
 
 def test_lsf_node_rank_matches_short_and_qualified_names(monkeypatch, lsf):
-    monkeypatch.setattr(envs, "_hostname", lambda: "nodeA.cluster.local")
+    monkeypatch.setattr(socket, "gethostname", lambda: "nodeA.cluster.local")
     assert LSFEnvironment().node_rank() == 0
     lsf.write_text("batch01\nnodeA.cluster.local\nnodeB.cluster.local\n")
-    monkeypatch.setattr(envs, "_hostname", lambda: "nodeB")
+    monkeypatch.setattr(socket, "gethostname", lambda: "nodeB")
     assert LSFEnvironment().node_rank() == 1
 
 
 def test_lsf_errors(monkeypatch, lsf):
-    monkeypatch.setattr(envs, "_hostname", lambda: "elsewhere")
+    monkeypatch.setattr(socket, "gethostname", lambda: "elsewhere")
     with pytest.raises(ValueError, match="'elsewhere'"):
         LSFEnvironment().node_rank()
     lsf.write_text("batch01\n")
     with pytest.raises(ValueError, match="no compute hosts"):
-        LSFEnvironment().main_address
+        LSFEnvironment()
     set_env(monkeypatch, LSB_DJOB_RANKFILE=lsf.parent / "missing")
     with pytest.raises(ValueError, match="LSB_DJOB_RANKFILE=.*missing"):
-        LSFEnvironment().main_address
+        LSFEnvironment()
+    # as Lightning: a missing or empty rank file variable, or no job id, fail when the environment is made
+    set_env(monkeypatch, LSB_DJOB_RANKFILE="")
+    with pytest.raises(ValueError, match="LSB_DJOB_RANKFILE is empty"):
+        LSFEnvironment()
+    monkeypatch.delenv("LSB_DJOB_RANKFILE")
+    with pytest.raises(ValueError, match="LSB_DJOB_RANKFILE is not set"):
+        LSFEnvironment()
+    set_env(monkeypatch, LSB_DJOB_RANKFILE=lsf)
+    lsf.write_text("batch01\nnodeA\n")
+    monkeypatch.delenv("LSB_JOBID")
+    with pytest.raises(ValueError, match="LSB_JOBID"):
+        LSFEnvironment()
 
 
 def test_lsf_validate_settings(monkeypatch, lsf):
@@ -636,11 +660,13 @@ def test_mpi_not_detected_without_mpi4py(monkeypatch, no_mpi4py):
     assert not MPIEnvironment.detect()
 
 
-def test_mpi_not_detected_without_launcher(monkeypatch):
+def test_mpi_detected_with_a_launcher_and_more_than_one_process(monkeypatch):
     install_fake_mpi4py(monkeypatch)
     assert not MPIEnvironment.detect()
     set_env(monkeypatch, **MPI)
     assert MPIEnvironment.detect()
+    install_fake_mpi4py(monkeypatch, world_size=1)  # as Lightning: one MPI process is no MPI job
+    assert not MPIEnvironment.detect()
 
 
 def test_mpi_construct_without_mpi4py_hints_install(no_mpi4py):
@@ -688,7 +714,7 @@ def test_mpi_validate_settings(monkeypatch):
     mpi = install_fake_mpi4py(monkeypatch)
     mpi.local.world = FakeComm(_Hub(1), 0, mpi)
     mpi.local.host = "solo"
-    monkeypatch.setattr(envs, "_hostname", lambda: "solo")
+    monkeypatch.setattr(socket, "gethostname", lambda: "solo")
     env = MPIEnvironment()
     env.validate_settings(num_devices=1, num_nodes=1)
     with pytest.raises(ValueError, match=r"MPI world size=1.*devices=2"):
@@ -709,10 +735,8 @@ def test_import_does_not_import_mpi4py(tmp_path):
         assert "mpi4py" not in sys.modules, "imported at module import"
         envs.detect_cluster_environment()
         assert "mpi4py" not in sys.modules, "imported by detection in a plain run"
-        os.environ["OMPI_COMM_WORLD_SIZE"] = "1"
-        assert envs.MPIEnvironment.detect()
         env = envs.MPIEnvironment()
-        assert "mpi4py" not in sys.modules, "imported by detect() or the constructor"
+        assert "mpi4py" not in sys.modules, "imported by the constructor"
         try:
             env.world_size()  # the fake has no MPI submodule
         except ImportError as err:
@@ -755,11 +779,11 @@ def test_import_does_not_import_mpi4py(tmp_path):
         (SLURMEnvironment, SLURM, "SLURM_NODEID", "n", lambda e: e.node_rank()),
         (SLURMEnvironment, SLURM, "SLURM_JOB_ID", "12_ab", lambda e: e.main_port),
         (SLURMEnvironment, SLURM, "SLURM_NTASKS_PER_NODE", "2(x3)", lambda e: e.validate_settings(2, 3)),
-        (SLURMEnvironment, SLURM, "SLURM_NNODES", "zz", lambda e: e.validate_settings(2, 3)),
+        (SLURMEnvironment, SLURM, "SLURM_NNODES", "zz", lambda e: e.validate_settings(4, 3)),
         (LSFEnvironment, LSF, "JSM_NAMESPACE_RANK", "r", lambda e: e.global_rank()),
         (LSFEnvironment, LSF, "JSM_NAMESPACE_SIZE", "-4", lambda e: e.world_size()),
         (LSFEnvironment, LSF, "JSM_NAMESPACE_LOCAL_RANK", "?", lambda e: e.local_rank()),
-        (LSFEnvironment, LSF, "LSB_JOBID", "job7", lambda e: e.main_port),
+        (LSFEnvironment, LSF, "LSB_JOBID", "job7", lambda e: e.main_port),  # raised when made
         (KubeflowEnvironment, KUBEFLOW, "RANK", "x", lambda e: e.global_rank()),
         (KubeflowEnvironment, KUBEFLOW, "RANK", "x", lambda e: e.node_rank()),
         (KubeflowEnvironment, KUBEFLOW, "WORLD_SIZE", "3.0", lambda e: e.world_size()),
@@ -789,3 +813,47 @@ def test_missing_required_values_raise_value_error(monkeypatch, env_cls, base, v
     monkeypatch.delenv(var)
     with pytest.raises(ValueError, match=f"{var} is required"):
         call(env_cls())
+
+
+# ----------------------------------------------------------------------------------------
+# Wired into Fabric: the job the cluster started must be the job the code describes
+# ----------------------------------------------------------------------------------------
+
+
+def test_a_torchrun_job_of_another_size_fails_when_fabric_is_made(monkeypatch):
+    from fabric import Fabric
+
+    set_env(monkeypatch, **TORCHELASTIC)  # 8 processes, 2 per node
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=8.*devices=3 x num_nodes=1"):
+        Fabric(accelerator="cpu", devices=3, strategy="ddp")
+    fabric = Fabric(accelerator="cpu", strategy="ddp")  # devices="auto": what torchrun started
+    assert (fabric.world_size, fabric.global_rank, fabric.node_rank) == (8, 5, 2)
+
+
+def test_a_slurm_job_of_another_shape_fails_when_fabric_is_made(monkeypatch):
+    from fabric import Fabric
+
+    set_env(monkeypatch, **SLURM, SLURM_NNODES="2")  # 2 nodes x 4 tasks
+    with pytest.raises(ValueError, match=r"SLURM_NTASKS_PER_NODE=4 but devices=2"):
+        Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy="ddp")
+    with pytest.raises(ValueError, match=r"SLURM_NNODES=2 but num_nodes=1"):
+        Fabric(accelerator="cpu", devices=4, strategy="ddp")
+    fabric = Fabric(accelerator="cpu", devices=4, num_nodes=2, strategy="ddp")
+    assert isinstance(fabric.strategy.cluster_environment, SLURMEnvironment)
+    assert (fabric.world_size, fabric.global_rank) == (8, 6)
+
+
+def test_a_custom_environment_inside_a_slurm_job_keeps_its_world_size(monkeypatch):
+    from fabric import Fabric
+
+    class OwnLauncher(LightningEnvironment):
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True
+
+    set_env(monkeypatch, **SLURM, SLURM_NNODES="2")  # Slurm says 8 tasks; the plugin's job has 2 ranks
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", plugins=[OwnLauncher()])
+    environment = fabric.strategy.cluster_environment
+    assert type(environment) is OwnLauncher  # not replaced by the detected Slurm environment
+    fabric.strategy._set_world_ranks()  # what launching does in every rank
+    assert environment.world_size() == fabric.world_size == 2

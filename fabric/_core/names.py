@@ -13,7 +13,8 @@ __all__ = ["ACCELERATOR_CHOICES", "ACCELERATOR_NAMES", "PRECISION_ALIASES", "PRE
 #: The accelerators of the registry, one class each.
 ACCELERATOR_NAMES = ("cpu", "cuda", "mps")
 #: What ``accelerator=`` accepts: the registry's names, "auto" (the best available) and "gpu" (CUDA or MPS).
-ACCELERATOR_CHOICES = ("auto", *ACCELERATOR_NAMES, "gpu")
+#: (Spelled out, in alphabetical order after "auto", as messages list them.)
+ACCELERATOR_CHOICES = ("auto", "cpu", "cuda", "gpu", "mps")
 
 #: Short spellings (Lightning's) of the precisions below.
 PRECISION_ALIASES: dict[Any, str] = {

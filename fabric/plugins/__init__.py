@@ -1,15 +1,33 @@
-"""Plugins a strategy is made of: precision, checkpoint IO and the cluster environment."""
+"""Plugins a strategy is made of: precision, checkpoint IO and the cluster environment.
 
-from fabric.plugins.environments import ClusterEnvironment
-from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
-from fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+Names are resolved on first use: the cluster environments import only the standard library and
+``fabric run`` uses them before any rank starts, so importing this package must not import torch.
+"""
 
-__all__ = [
-    "CheckpointIO",
-    "ClusterEnvironment",
-    "DoublePrecision",
-    "HalfPrecision",
-    "MixedPrecision",
-    "Precision",
-    "TorchCheckpointIO",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fabric.plugins.environments import ClusterEnvironment
+    from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
+    from fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+_MODULES = {
+    "CheckpointIO": "fabric.plugins.io",
+    "ClusterEnvironment": "fabric.plugins.environments",
+    "DoublePrecision": "fabric.plugins.precision",
+    "HalfPrecision": "fabric.plugins.precision",
+    "MixedPrecision": "fabric.plugins.precision",
+    "Precision": "fabric.plugins.precision",
+    "TorchCheckpointIO": "fabric.plugins.io",
+}
+
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
+    raise AttributeError(f"module 'fabric.plugins' has no attribute {name!r}")

@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from fabric._core.env import export_rendezvous, global_rank
 from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
 from fabric.strategies.strategy import BackwardSyncControl
 from fabric.utilities.apply_func import move_data_to_device
@@ -120,7 +121,7 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     def _set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_global_rank(global_rank(self.node_rank, self.num_processes, self.local_rank))
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
 
@@ -133,8 +134,7 @@ class ProcessGroupStrategy(ParallelStrategy):
 
         reset_seed()  # a seed set before launching holds in every process (spawned workers start unseeded)
         env = self.cluster_environment
-        os.environ["MASTER_ADDR"] = str(env.main_address)
-        os.environ["MASTER_PORT"] = str(env.main_port)
+        export_rendezvous(env.main_address, env.main_port)
         kwargs: dict[str, Any] = {}
         if self._timeout is not None:
             kwargs["timeout"] = self._timeout

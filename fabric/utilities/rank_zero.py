@@ -8,28 +8,19 @@ object of lightning-utilities, so setting the rank once serves both libraries; t
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Any
 
 from lightning_utilities.core.rank_zero import WarningCache as _UtilitiesWarningCache
 from lightning_utilities.core.rank_zero import rank_prefixed_message, rank_zero_only
 
+from fabric.plugins.environments import rank_from_environment
+
 log = logging.getLogger("fabric")
 
-# the launchers and external launchers (torchrun, SLURM, MPI, LSF, Horovod) put the global rank here
-_RANK_VARIABLES = ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK")
-
-
-def _rank_from_environment() -> int | None:
-    for name in _RANK_VARIABLES:
-        value = os.environ.get(name)
-        if value is not None and value.isdigit():
-            return int(value)
-    return None
-
-
-rank_zero_only.rank = getattr(rank_zero_only, "rank", _rank_from_environment() or 0)
+# the launchers and external launchers (torchrun, SLURM, MPI, LSF, Horovod) exported the global rank;
+# the cluster environments know where
+rank_zero_only.rank = getattr(rank_zero_only, "rank", rank_from_environment())
 
 
 class LightningDeprecationWarning(DeprecationWarning):

@@ -23,7 +23,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from fabric._core.env import JOB_DIR_ENV, STATUS_FD_ENV, SUPERVISOR_PID_ENV, export_rendezvous, rank_environment
+from fabric._core.env import (
+    JOB_DIR_ENV,
+    STATUS_FD_ENV,
+    SUPERVISOR_PID_ENV,
+    export_rendezvous,
+    global_rank,
+    rank_environment,
+)
 from fabric.strategies.launchers.command_rank import CommandRank
 from fabric.strategies.launchers.diagnosis import install_stack_dump, record_failure
 from fabric.strategies.launchers.launcher import Launcher
@@ -119,12 +126,12 @@ class SubprocessScriptLauncher(Launcher):
         parent_env = dict(os.environ)
         cwd = os.getcwd()
 
+        first = global_rank(node_rank, self.num_processes, 0)
+
         def start_rank(rank: int, job_dir: str) -> CommandRank:
-            local_rank = rank - node_rank * self.num_processes
-            ranks = rank_environment(main_address, main_port, node_rank, self.num_nodes, self.num_processes, local_rank)
+            ranks = rank_environment(main_address, main_port, node_rank, self.num_nodes, self.num_processes, rank - first)
             return CommandRank(rank, command, {**parent_env, **ranks}, job_dir, cwd=cwd)
 
-        first = node_rank * self.num_processes
         supervisor = Supervisor(start_rank, range(first + 1, first + self.num_processes), own_rank=first)
         supervisor.start()
         self._rank_zero = RankZeroSupervision(supervisor)
