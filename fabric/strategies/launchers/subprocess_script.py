@@ -31,6 +31,7 @@ from fabric._core.env import (
     global_rank,
     rank_environment,
 )
+from fabric.plugins.environments import rank_from_environment
 from fabric.strategies.launchers.command_rank import CommandRank
 from fabric.strategies.launchers.diagnosis import install_stack_dump, record_failure
 from fabric.strategies.launchers.launcher import Launcher
@@ -104,7 +105,7 @@ class SubprocessScriptLauncher(Launcher):
         if self._rank_zero is not None:
             self._rank_zero.rank_zero_failed(trace)
         elif _child_supervised:
-            record_failure(os.environ.get(JOB_DIR_ENV), _env_rank(), trace)
+            record_failure(os.environ.get(JOB_DIR_ENV), rank_from_environment(), trace)
 
     def __getstate__(self) -> dict[str, Any]:
         # Process handles and threads cannot travel to another process.
@@ -114,8 +115,8 @@ class SubprocessScriptLauncher(Launcher):
 
     def _start_children(self) -> None:
         env = self.cluster_environment
-        # Read address and port once, before any child starts, so they all agree. A LightningEnvironment
-        # picks a free port here and stores it in os.environ.
+        # Read address and port once and export them before any child starts, so they all agree (a
+        # LightningEnvironment picks a free port here).
         main_address, main_port = str(env.main_address), int(env.main_port)
         node_rank = int(env.node_rank())
         export_rendezvous(main_address, main_port)
@@ -174,7 +175,7 @@ def _supervise_as_child() -> None:
         return  # started by torchrun, SLURM, by hand, or a grandchild that inherited the env
     _child_supervised = True
     supervisor_pid = int(marker)
-    rank = _env_rank()
+    rank = rank_from_environment()
     status_fd = _take_status_fd()
     follow_supervisor(rank, supervisor_pid, expected_ppid=supervisor_pid)
     job_dir = os.environ.get(JOB_DIR_ENV)
@@ -194,11 +195,6 @@ def _supervise_as_child() -> None:
         report_raise(status_fd)  # right away: our interpreter shutdown may take long (or hang)
 
     sys.excepthook = excepthook
-
-
-def _env_rank() -> int:
-    raw = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "-1"))
-    return int(raw) if raw.lstrip("-").isdigit() else -1
 
 
 def _take_status_fd() -> int | None:
