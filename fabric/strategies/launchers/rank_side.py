@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from fabric._core.processes import flush_stdio, kill_own_group_and_exit, process_alive
+from fabric.strategies.launchers.supervisor import GRACE_S, POLL_S
 
 __all__ = [
     "follow_supervisor",
@@ -40,10 +41,6 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1
-#: How often a rank's watchdog looks for its supervisor.
-_WATCH_INTERVAL_S = 0.2
-#: Seconds a rank whose supervisor died gives its own subprocesses between SIGTERM and SIGKILL.
-_ORPHAN_GRACE_S = 1.0
 
 # Started in place of the rank's command: bind to the supervisor's death, then become the command. A
 # fresh interpreter rather than preexec_fn, which is unsafe once the starting process has threads.
@@ -96,11 +93,11 @@ def follow_supervisor(rank: int, supervisor_pid: int, expected_ppid: int | None 
 
     def watch() -> None:
         while not gone():
-            time.sleep(_WATCH_INTERVAL_S)
+            time.sleep(POLL_S)
         write_stderr(
             f"[rank {rank}] the launching process (pid {supervisor_pid}) is gone; stopping this rank and its subprocesses"
         )
-        kill_own_group_and_exit(1, _ORPHAN_GRACE_S)
+        kill_own_group_and_exit(1, GRACE_S)
 
     thread = threading.Thread(target=watch, name=f"fabric-supervisor-watchdog-rank{rank}", daemon=True)
     thread.start()
