@@ -48,7 +48,7 @@ def _supervisor(plan: dict[int, tuple[str, float]], **kwargs) -> Supervisor:
 def test_a_clean_job_and_a_failed_one_are_results_and_the_job_can_run_again() -> None:
     plan = {0: ("ok", 0.0), 1: ("ok", 0.3)}
     supervisor = _supervisor(plan)
-    assert supervisor.run() == JobResult()
+    assert supervisor.run() == JobResult() and supervisor.attempts == 1
     # the same supervisor starts every rank anew: the place where restarts live
     first_pids = [handle.pid for handle in supervisor.ranks]
     plan.update({0: ("sleep", 0), 1: ("exit3", 0.2), 2: ("sleep", 0)})
@@ -56,6 +56,7 @@ def test_a_clean_job_and_a_failed_one_are_results_and_the_job_can_run_again() ->
     started = time.monotonic()
     result = supervisor.run()
     assert time.monotonic() - started < 10  # the sleeping ranks were stopped
+    assert supervisor.attempts == 2
     assert result.failure is not None and result.failure.rank == 1 and result.failure.exitcode == 3
     assert not result.failure.raised and result.exit_status == 3
     assert "rank 1 exited with code 3, pid" in result.failure.describe()

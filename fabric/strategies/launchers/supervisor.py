@@ -289,6 +289,8 @@ class Supervisor:
         #: the folder for the ranks' tracebacks and stacks, one per attempt (made by :meth:`start`)
         self.job_dir: str | None = None
         self.ranks: list[RankProcess] = []
+        #: how many times :meth:`start` has started the ranks (0 before the first start)
+        self.attempts = 0
         self._ended_at: dict[int, float] = {}
         self._lock = threading.Lock()
 
@@ -299,6 +301,7 @@ class Supervisor:
         self.close()
         job_dir = self.job_dir = create_job_dir()
         self.ranks, self._ended_at = [], {}
+        self.attempts += 1
         try:
             for rank in self.rank_ids:
                 self.ranks.append(self._start_rank(rank, job_dir))
