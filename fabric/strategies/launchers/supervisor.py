@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: Seconds the ranks get between SIGTERM and SIGKILL when the job is stopped.
-GRACE_S = 2.0
+GRACE_S = 1.5
 #: The longest a supervisor sleeps between two looks at its ranks (it wakes earlier on any news).
 POLL_S = 0.1
 #: After a rank reports an exception, how long to look for a peer that died abruptly (the likelier
