@@ -14,7 +14,7 @@ from fabric.accelerators import ACCELERATOR_REGISTRY, Accelerator, CPUAccelerato
 from fabric.plugins.io import CheckpointIO
 from fabric.plugins.precision import Precision, normalize_precision, precision_for
 from fabric.strategies import STRATEGY_REGISTRY, strategy_class
-from fabric.strategies.strategy import Strategy
+from fabric.strategies.strategy import ConnectorChoices, Strategy
 
 _ENV_ARGUMENTS = ("accelerator", "strategy", "devices", "num_nodes", "precision")
 _DEFAULTS: dict[str, Any] = {"accelerator": "auto", "strategy": "auto", "devices": "auto", "num_nodes": 1, "precision": None}
@@ -91,19 +91,17 @@ class Connector:
         return instance
 
     def _complete(self, strategy: Strategy, precision: Precision, checkpoint_io: CheckpointIO | None) -> None:
-        """Fill in whatever the strategy was not given by the user (a given strategy instance keeps its parts)."""
-        if strategy.accelerator is None:
-            strategy.accelerator = self.accelerator
-        if strategy._precision is None:
-            strategy.precision = precision
-        if checkpoint_io is not None:
-            strategy.checkpoint_io = checkpoint_io
-        if getattr(strategy, "parallel_devices", False) is None:
-            strategy.parallel_devices = self.parallel_devices
-        if getattr(strategy, "cluster_environment", False) is None:
-            strategy.cluster_environment = self.cluster_environment
-        if hasattr(strategy, "num_nodes"):
-            strategy.num_nodes = self.num_nodes
+        """Hand the strategy what was decided here (it keeps the parts it was given), then its launcher."""
+        strategy.accept_choices(
+            ConnectorChoices(
+                accelerator=self.accelerator,
+                precision=precision,
+                checkpoint_io=checkpoint_io,
+                cluster_environment=self.cluster_environment,
+                parallel_devices=self.parallel_devices,
+                num_nodes=self.num_nodes,
+            )
+        )
         strategy._configure_launcher()
 
 

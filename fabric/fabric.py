@@ -27,7 +27,8 @@ from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import all_plain_cpu_tensors, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
 from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import rank_zero_only
-from fabric.utilities.resume import gather_per_rank_states
+from fabric.checkpoint.per_rank import gather_per_rank_states
+from fabric.checkpoint.state import check_filter
 from fabric.utilities.seed import seed_everything as _seed_everything
 from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, is_wrapped, unwrap
 
@@ -69,11 +70,10 @@ class Fabric:
         self._strategy: Strategy = connector.strategy
         self._callbacks = callbacks_from_argument(callbacks)
         self._loggers = loggers_from_argument(loggers)
-        self._launched = False
+        self._launched = False  # launch() was called, or the process was set up on first use
+        self._launch_called = False
         self._known_device: torch.device | None = None  # to_device's memo of whether the device is the CPU
         self._on_cpu = False
-        # one process on a local device needs no launch; anything with ranks does
-        self._launch_required = getattr(self._strategy, "requires_launch", False)
 
     # ---- properties -------------------------------------------------------------------------------
 
@@ -129,15 +129,17 @@ class Fabric:
         With start method "popen" (strategy "ddp"), call it without a function: the script itself is
         re-run for the other ranks. With "spawn"/"fork"/"forkserver", pass ``function``; each process
         runs ``function(fabric, *args, **kwargs)`` and rank 0's return value comes back here.
+        Under an external launcher (torchrun, srun, mpirun, ``fabric run``) nothing is started: the
+        process is only set up, and a script may leave ``launch()`` out altogether.
         """
         if function is not None and not callable(function):
             raise TypeError(f"launch(function=...) takes a callable, got {function!r} ({type(function).__name__})")
-        if self._launched:
+        if self._launch_called:
             raise RuntimeError("Fabric.launch() was already called in this process; call it once")
         launcher = self._strategy.launcher
-        if launcher is not None and function is None and getattr(launcher, "requires_function", False):
+        if launcher is not None and function is None and launcher.requires_function:
             raise TypeError(
-                f"The {type(self._strategy).__name__} with start method {getattr(self._strategy, '_start_method', '?')!r}"
+                f"The {type(self._strategy).__name__} with start method {self._strategy.start_method!r}"
                 " starts new processes that need a function to run: call fabric.launch(function, *args)"
             )
         if launcher is not None and not launcher.is_interactive_compatible and _in_interactive_session():
@@ -145,16 +147,14 @@ class Fabric:
                 f"{type(self._strategy).__name__} cannot be launched from an interactive session (notebook, REPL);"
                 " use strategy='ddp_notebook' (fork) or run the code as a script"
             )
+        self._launch_called = True
         to_run = partial(self._run_with_setup, function or _do_nothing)
         if launcher is None:
             return to_run(*(() if function is None else (self, *args)), **kwargs)
         return launcher.launch(to_run, *(() if function is None else (self, *args)), **kwargs)
 
     def _run_with_setup(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self._launched = True
-        self._strategy.setup_environment()
-        if self._strategy.world_size > 1:
-            rank_zero_only.rank = self._strategy.global_rank
+        self._set_up_process()
         try:
             return function(*args, **kwargs)
         except BaseException as exception:
@@ -162,12 +162,24 @@ class Fabric:
                 self._strategy.on_exception(exception)
             raise
 
+    def _set_up_process(self) -> None:
+        self._strategy.setup_environment()
+        self._launched = True
+        if self._strategy.world_size > 1:
+            rank_zero_only.rank = self._strategy.global_rank
+
     def _check_launched(self, what: str) -> None:
-        if self._launch_required and not self._launched:
-            raise RuntimeError(
-                f"Fabric.{what}() was called before Fabric.launch(). With strategy"
-                f" {type(self._strategy).__name__}, call fabric.launch() first (in every process)"
-            )
+        if self._launched or not self._strategy.requires_launch:
+            return
+        if self._strategy.launched_externally:
+            # torchrun, srun, mpirun, horovodrun or `fabric run` started every process: nothing is left to
+            # launch, so this process is set up here, as launch() would (a script need not call it)
+            self._set_up_process()
+            return
+        raise RuntimeError(
+            f"Fabric.{what}() was called before Fabric.launch(). With strategy"
+            f" {type(self._strategy).__name__}, call fabric.launch() first (in every process)"
+        )
 
     # ---- set-up of the user's objects ---------------------------------------------------------------
 
@@ -240,7 +252,7 @@ class Fabric:
 
             dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
         dataloader = self._strategy.process_dataloader(dataloader)
-        device = self.device if move_to_device and getattr(self._strategy, "moves_batches", True) else None
+        device = self.device if move_to_device and self._strategy.moves_batches else None
         return FabricDataLoader(dataloader, device=device, rank=self.global_rank, world_size=self.world_size)
 
     def _check_module(self, module: Any) -> None:
@@ -446,15 +458,15 @@ class Fabric:
         A dataloader from ``setup_dataloaders`` is saved with every rank's position and random states,
         for an exact resume (``docs/resume.md``); call ``save`` on every rank.
         """
-        self._check_launched("save")  # before writing anything: the barrier at the end would fail late
+        self._check_launched("save")  # before writing anything: the collective at the end would fail late
         if not isinstance(state, dict):
             raise TypeError(f"save(state=...) takes a dict, got {type(state).__name__}")
         if filter is not None:
-            _check_filter(filter, state)
+            check_filter(filter, state)
         # per-rank states (a loader's random states) are gathered here: only rank 0 writes the file
         unwrapped = gather_per_rank_states(_unwrap_all(state), self.all_gather, self.world_size)
+        # collective: returns on every rank once the file is written, or raises rank 0's error on every rank
         self._strategy.save_checkpoint(path, unwrapped, filter=filter)
-        self.barrier()
 
     def load(
         self,
@@ -503,16 +515,6 @@ def _do_nothing(*args: Any, **kwargs: Any) -> None:
 def _unwrap_all(state: dict[str, Any]) -> dict[str, Any]:
     # a FabricDataLoader stays: its state (position, random states) is its own, not the loader's
     return {key: value if isinstance(value, FabricDataLoader) else unwrap(value) for key, value in state.items()}
-
-
-def _check_filter(filter: Any, state: dict[str, Any]) -> None:
-    if not isinstance(filter, dict):
-        raise TypeError(f"save(filter=...) takes a dict of state key -> callable, got {type(filter).__name__}")
-    for key, predicate in filter.items():
-        if key not in state:
-            raise ValueError(f"save(filter=...) has the key {key!r}, which is not in state (keys: {sorted(state)})")
-        if not callable(predicate):
-            raise TypeError(f"save(filter={{{key!r}: ...}}) must map to a callable (name, value) -> bool, got {predicate!r}")
 
 
 def _in_interactive_session() -> bool:

@@ -15,6 +15,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from fabric.checkpoint.loader_progress import LoaderProgress
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.compile import split_compiled
 
@@ -233,25 +234,19 @@ _NOT_SHARED = frozenset({"step", "state", "param_groups", "_after_step_hooks"})
 class FabricDataLoader:
     """Iterates like the wrapped loader, with batches moved to ``device`` and the sampler's epoch advanced.
 
-    It is also stateful, so that a run stopped mid-epoch can resume exactly (``docs/resume.md``): its
-    state is where the run is in the data (epoch, batches consumed) together with this rank's random
-    generator states; loading it restores the generators and makes the next iteration continue at
-    that epoch after the consumed batches, without loading them again.
+    It is also stateful (``fabric.checkpoint``'s ``PerRankStateful`` and ``CheckedStateful``), so a run
+    stopped mid-epoch can resume exactly (``docs/resume.md``): its state is where this rank is in the
+    data together with its random generator states; loading it restores the generators and makes the
+    next iteration continue at that epoch after the consumed batches, without loading them again.
     """
 
     # Fabric.save gathers this object's state from every rank: positions agree, random states differ
-    _fabric_per_rank_state = True
+    per_rank_state = True
 
     def __init__(self, dataloader: Any, device: torch.device | None = None, *, rank: int = 0, world_size: int = 1) -> None:
         self._dataloader = dataloader
         self._device = device
-        self._rank = rank
-        self._world_size = world_size
-        self._num_iter_calls = 0  # the epoch the next iteration runs
-        self._epoch: int | None = None  # the epoch being iterated, None between epochs
-        self._consumed = 0  # batches handed out in that epoch
-        self._epoch_start: dict[str, Any] | None = None  # generator states from just before its iterator
-        self._resume: dict[str, Any] | None = None  # a loaded position, taken up by the next iteration
+        self._progress = LoaderProgress(dataloader, rank, world_size)
 
     @property
     def device(self) -> torch.device | None:
@@ -265,40 +260,16 @@ class FabricDataLoader:
         return len(self._dataloader)
 
     def __iter__(self) -> Iterator[Any]:
-        resume, self._resume = self._resume, None
-        epoch = self._num_iter_calls if resume is None else resume["epoch"]
-        self._num_iter_calls = epoch + 1
-        _set_sampler_epoch(self._dataloader, epoch)
-        self._epoch = epoch
-        if resume is not None and resume["batches_consumed"] > 0:
-            self._consumed = resume["batches_consumed"]
-            self._epoch_start = resume["epoch_start"]
-            iterator = _resumed_iterator(self._dataloader, self._consumed, self._epoch_start)
-        else:
-            self._consumed = 0
-            self._epoch_start = _generator_states(self._dataloader)
-            iterator = iter(self._dataloader)
         device = self._device
-        for batch in iterator:
-            self._consumed += 1
-            yield batch if device is None else move_data_to_device(batch, device)
-        self._epoch = None
+        if device is None:
+            yield from self._progress.iterate()
+            return
+        for batch in self._progress.iterate():
+            yield move_data_to_device(batch, device)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position in the data and random generator states (``Fabric.save`` gathers all ranks')."""
-        from fabric.utilities.resume import capture_random_state
-
-        if self._epoch is not None:  # inside an epoch (saved after a step, as a loop does)
-            position = {"epoch": self._epoch, "batches_consumed": self._consumed, "epoch_start": self._epoch_start}
-        elif self._resume is not None:  # loaded, not iterated yet: the loaded position still holds
-            position = dict(self._resume)
-        else:
-            position = {"epoch": self._num_iter_calls, "batches_consumed": 0, "epoch_start": None}
-        return {
-            **position,
-            "random_state": capture_random_state(),
-            "generators": [generator.get_state() for generator in _loader_generators(self._dataloader)],
-        }
+        return self._progress.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the random generators now; the next iteration resumes at the saved position.
@@ -306,26 +277,11 @@ class FabricDataLoader:
         Takes this rank's entry when given the states of all ranks (as ``Fabric.save`` writes them).
         Everything is checked before anything changes.
         """
-        from fabric.utilities.resume import restore_random_state
-
-        state = self.check_state_dict(state_dict)
-        restore_random_state(state["random_state"])
-        for generator, saved in zip(_loader_generators(self._dataloader), state["generators"]):
-            generator.set_state(saved)
-        self._resume = {
-            "epoch": state["epoch"],
-            "batches_consumed": state["batches_consumed"],
-            "epoch_start": state["epoch_start"],
-        }
-        self._epoch = None
+        self._progress.load_state_dict(state_dict)
 
     def check_state_dict(self, state_dict: Any) -> dict[str, Any]:
         """This rank's entry of ``state_dict``; ValueError if it cannot be loaded into this loader."""
-        from fabric.utilities.resume import state_of_rank
-
-        state = state_of_rank(state_dict, self._rank, self._world_size, "dataloader")
-        _check_loader_state(state, self._dataloader)
-        return state
+        return self._progress.check_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in _LOADER_OWN_ATTRIBUTES:
@@ -336,104 +292,7 @@ class FabricDataLoader:
         return f"FabricDataLoader({self._dataloader!r}, device={self._device})"
 
 
-_LOADER_OWN_ATTRIBUTES = frozenset(
-    {"_dataloader", "_device", "_rank", "_world_size", "_num_iter_calls", "_epoch", "_consumed", "_epoch_start", "_resume"}
-)
-
-
-def _loader_generators(dataloader: Any) -> list[torch.Generator]:
-    """The torch generators a loader draws from itself (its own, its sampler's), each once."""
-    candidates = (
-        getattr(dataloader, "generator", None),
-        getattr(getattr(dataloader, "sampler", None), "generator", None),
-        getattr(getattr(getattr(dataloader, "batch_sampler", None), "sampler", None), "generator", None),
-    )
-    found: list[torch.Generator] = []
-    for generator in candidates:
-        if isinstance(generator, torch.Generator) and generator.device.type == "cpu" and all(g is not generator for g in found):
-            found.append(generator)
-    return found
-
-
-def _generator_states(dataloader: Any) -> dict[str, Any]:
-    """What a new iterator of ``dataloader`` draws from: torch's global generator and the loader's own."""
-    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _loader_generators(dataloader)]}
-
-
-def _resumed_iterator(dataloader: Any, skip: int, epoch_start: dict[str, Any]) -> Iterator[Any]:
-    """The rest of an epoch after ``skip`` batches, with the random draws of the interrupted run.
-
-    Making a DataLoader iterator draws from torch's global generator (the workers' base seed, a
-    RandomSampler's seed), which in the interrupted run happened when the epoch began. So the
-    generators are set back to that moment for the iterator's own draws, and torch's is set forward
-    again (to its loaded state) just before the first remaining batch is fetched.
-    """
-    from fabric.utilities.resume import loader_skipping
-
-    now = torch.get_rng_state()
-    torch.set_rng_state(epoch_start["torch"])
-    for generator, saved in zip(_loader_generators(dataloader), epoch_start["generators"]):
-        generator.set_state(saved)
-    restored = False
-
-    def continue_random_state() -> None:
-        nonlocal restored
-        if not restored:
-            restored = True
-            torch.set_rng_state(now)
-
-    skipping = loader_skipping(dataloader, skip, continue_random_state)
-    if skipping is not None:
-        yield from skipping
-        return
-    # not a rebuildable DataLoader (an iterable dataset, a custom loader): skip by iterating
-    iterator = iter(dataloader)
-    try:
-        for _ in range(skip):
-            next(iterator)
-    except StopIteration:
-        return
-    finally:
-        continue_random_state()
-    yield from iterator
-
-
-def _check_loader_state(state: Any, dataloader: Any) -> None:
-    from fabric.utilities.resume import check_random_state
-
-    if not isinstance(state, dict) or not {"epoch", "batches_consumed", "epoch_start", "random_state", "generators"} <= set(state):
-        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
-            "Expected a FabricDataLoader state with 'epoch', 'batches_consumed', 'epoch_start', 'random_state'"
-            f" and 'generators', got {keys}"
-        )
-    for key in ("epoch", "batches_consumed"):
-        value = state[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"The saved dataloader state has {key}={value!r}; expected an int >= 0")
-    epoch_start = state["epoch_start"]
-    if state["batches_consumed"] > 0 and not (
-        isinstance(epoch_start, dict) and isinstance(epoch_start.get("torch"), torch.Tensor)
-        and isinstance(epoch_start.get("generators"), list)
-    ):
-        raise ValueError("The saved dataloader state is mid-epoch but has no valid 'epoch_start' generator states")
-    check_random_state(state["random_state"])
-    expected = len(_loader_generators(dataloader))
-    if len(state["generators"]) != expected:
-        raise ValueError(
-            f"The saved dataloader state has {len(state['generators'])} generator state(s) but this loader draws"
-            f" from {expected}; was it saved from a loader built the same way?"
-        )
-
-
-def _set_sampler_epoch(dataloader: Any, epoch: int) -> None:
-    """Reshuffle distributed shards every epoch without the user calling ``set_epoch``."""
-    samplers = (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None))
-    for index, sampler in enumerate(samplers):
-        if index == 1 and sampler is samplers[0]:
-            break  # a DataLoader's batch sampler usually wraps its sampler: set the epoch once
-        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
-            sampler.set_epoch(epoch)
+_LOADER_OWN_ATTRIBUTES = frozenset({"_dataloader", "_device", "_progress"})
 
 
 def unwrap(obj: Any) -> Any:

@@ -252,6 +252,11 @@ def check_accumulation(ranks):
         torch.testing.assert_close(inside[rank], acc["inside_local_expected"])
         assert torch.equal(acc["accumulated"][0], acc["accumulated"][1])
         torch.testing.assert_close(acc["accumulated"][rank], acc["big_batch"])
+        blocked = acc["blocked_grads"]
+        assert not torch.allclose(blocked[0], blocked[1]), "block_backward_sync() must keep the gradients local"
+        torch.testing.assert_close(blocked[rank], acc["blocked_local_expected"])
+        after = acc["after_block_grads"]
+        assert torch.equal(after[0], after[1]), "after the block, gradients are synchronized again"
 
 
 def check_checkpoint(ranks):
@@ -404,3 +409,22 @@ def test_spawn_failing_rank_raises_in_the_caller(clean_env):
     # rank 0 then fails too ("connection reset" in its barrier): the launcher must report the cause, not the echo
     assert "rank 1 fails on purpose" in str(info.value)
     assert info.value.rank == 1
+
+
+@pytest.mark.timeout(150)
+def test_a_failed_rank0_save_raises_the_same_error_on_every_rank(clean_env, tmp_path):
+    """Rank 0's write fails and the user catches it: no rank is left waiting inside save()."""
+    fabric = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2)
+    start = time.monotonic()
+    ranks = fabric.launch(checks.save_failure_job, str(tmp_path))
+    assert time.monotonic() - start < 90
+    for name in ("not_a_folder", "too_big"):
+        errors = [ranks[rank][name] for rank in (0, 1)]
+        assert all(errors), f"{name}: every rank must raise, got {errors}"
+        assert errors[0].split(":")[0] == errors[1].split(":")[0], errors  # the same exception class
+        assert errors[0].split(": ", 1)[1] in errors[1], errors  # rank 0's message reaches rank 1
+        assert "Rank 0 failed to save the checkpoint" in errors[1]
+    assert ranks[0]["too_big"].startswith("OSError") and ranks[1]["too_big"].startswith("OSError")
+    assert ranks[0]["good_save"] is None and ranks[1]["good_save"] is None
+    # nothing half-written is left where the checkpoints go
+    assert ranks[0]["files"] == ["a-file", "good.pt"]

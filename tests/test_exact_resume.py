@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fabric import Fabric
-from fabric.utilities.resume import PER_RANK_KEY, capture_random_state, restore_random_state
+from fabric.checkpoint import PER_RANK_KEY, capture_random_state, restore_random_state
 
 TESTS = Path(__file__).resolve().parent
 SCRIPT = TESTS / "resilience_scripts" / "resume_job.py"

@@ -20,12 +20,12 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from fabric._core.env import export_rendezvous, global_rank
+from fabric._core.env import export_rendezvous
 from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
 from fabric.strategies.strategy import BackwardSyncControl
 from fabric.utilities.apply_func import move_data_to_device
-from fabric.utilities.rank_zero import rank_zero_only
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -79,6 +79,12 @@ class ProcessGroupStrategy(ParallelStrategy):
     # ---- placement and ranks ------------------------------------------------------------------------
 
     @property
+    @override
+    def start_method(self) -> str:
+        return self._start_method
+
+    @property
+    @override
     def root_device(self) -> torch.device:
         if not self.parallel_devices:
             raise RuntimeError(f"{type(self).__name__} has no parallel_devices yet; the connector sets them")
@@ -93,12 +99,12 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     # ---- life cycle ---------------------------------------------------------------------------------
 
+    @override
     def _configure_launcher(self) -> None:
         """"popen" re-runs the script for the other local ranks; the others start worker processes."""
         from fabric.strategies.launchers import MultiprocessingLauncher, SubprocessScriptLauncher
 
-        external = self.cluster_environment is not None and self.cluster_environment.creates_processes_externally
-        if self._start_method == "popen" or external:
+        if self._start_method == "popen" or self.launched_externally:
             # also under torchrun/SLURM/`fabric run`: the launcher then starts nothing and only runs the
             # function here, so a script written for "ddp_spawn" does not start a second set of ranks
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -112,18 +118,13 @@ class ProcessGroupStrategy(ParallelStrategy):
         os.environ["LOCAL_RANK"] = str(process_idx)
         self.setup_environment()
 
+    @override
     def setup_environment(self) -> None:
         """Set the ranks, the device and join the process group (once per process; repeat calls are cheap)."""
         self._set_world_ranks()
         assert self.accelerator is not None, "the connector sets an accelerator before set-up"
         self.accelerator.setup_device(self.root_device)
         self._init_process_group()
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(global_rank(self.node_rank, self.num_processes, self.local_rank))
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
 
     def _init_process_group(self) -> None:
         if not dist.is_available():
@@ -146,17 +147,16 @@ class ProcessGroupStrategy(ParallelStrategy):
         # hold the interpreter's exit up by half a second, which every rank of every job pays.
         atexit.register(_destroy_process_group_at_exit)
 
+    @override
     def teardown(self) -> None:
         """Leave the process group (so a later job in this process can join a new one)."""
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         super().teardown()
 
-    def module_to_device(self, module: Module) -> None:
-        module.to(self.root_device)
-
     # ---- collectives ----------------------------------------------------------------------------------
 
+    @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         """Reduce ``tensor`` over all ranks (a new tensor; the input is left alone).
 
@@ -178,8 +178,7 @@ class ProcessGroupStrategy(ParallelStrategy):
             result = result / dist.get_world_size(group)
         return result
 
-    reduce = all_reduce
-
+    @override
     def barrier(self, name: str | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             return
@@ -188,6 +187,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         else:
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send ``obj`` (a tensor or anything picklable, of any shape) from rank ``src`` to all ranks."""
         if not (dist.is_available() and dist.is_initialized()):
@@ -261,6 +261,7 @@ class DDPStrategy(ProcessGroupStrategy):
 
     # ---- modules and optimizers -----------------------------------------------------------------------
 
+    @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap ``module`` in DistributedDataParallel (which broadcasts rank 0's weights to every rank)."""
         if not dist.is_initialized():
@@ -268,6 +269,7 @@ class DDPStrategy(ProcessGroupStrategy):
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
         self._register_comm_hook(ddp)
+        self._set_up_modules.add(ddp)
         return ddp
 
     def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
@@ -288,6 +290,7 @@ class DDPStrategy(ProcessGroupStrategy):
             self._model_averager = PeriodicModelAverager(period=self._model_averaging_period, warmup_steps=warmup)
         ddp.register_comm_hook(state=self._ddp_comm_state, hook=hook)
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step; with post-local SGD, then average the parameters across ranks when the period is due."""
         output = super().optimizer_step(optimizer, **kwargs)
@@ -295,12 +298,15 @@ class DDPStrategy(ProcessGroupStrategy):
             self._model_averager.average_parameters(optimizer.param_groups)
         return output
 
+    @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         return _unwrap_ddp(module).state_dict()
 
+    @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         super().load_module_state_dict(_unwrap_ddp(module), state_dict, strict=strict)
 
+    @override
     def teardown(self) -> None:
         self._model_averager = None
         super().teardown()
@@ -312,6 +318,7 @@ class DDPStrategy(ProcessGroupStrategy):
 class _DDPBackwardSyncControl(BackwardSyncControl):
     """Gradient accumulation without communication: DDP's own ``no_sync()``."""
 
+    @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()

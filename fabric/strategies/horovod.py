@@ -39,7 +39,17 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from fabric.checkpoint.state import check_optimizer_state_fits
+from fabric.strategies.horovod_environment import HorovodEnvironment
+from fabric.strategies.horovod_optimizer import (
+    broadcast_optimizer_state,
+    distributed_optimizer,
+    is_distributed,
+    load_optimizer_state_in_place,
+    synchronize,
+)
 from fabric.strategies.parallel import ParallelStrategy
 from fabric.strategies.strategy import REDUCE_OPS, BackwardSyncControl
 from fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
@@ -94,14 +104,15 @@ class HorovodStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision: Any = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, checkpoint_io=checkpoint_io, precision=precision
-        )
         self._hvd = _import_horovod()
         self._initialized = False
-        rank = os.environ.get("HOROVOD_RANK", "")
-        if rank.isdigit():  # horovodrun says which rank this is: rank-zero output is right even before launch()
-            rank_zero_only.rank = int(rank)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=HorovodEnvironment(self._horovod),
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
         self._backward_sync_control = _HorovodBackwardSyncControl(self)
         # every DistributedOptimizer made here: no_backward_sync and backward() adjust their bookkeeping
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
@@ -120,23 +131,16 @@ class HorovodStrategy(ParallelStrategy):
             self._initialized = True
         return self._hvd
 
-    @property
-    def global_rank(self) -> int:
-        return self._horovod().rank()
+    @override
+    def _set_world_ranks(self) -> None:
+        # Horovod decides the ranks, and asking it would initialize it already in Fabric(...): rank-zero
+        # output follows horovodrun's variable until setup_environment() asks Horovod itself
+        rank = os.environ.get("HOROVOD_RANK", "")
+        if rank.isdigit():
+            rank_zero_only.rank = int(rank)
 
     @property
-    def local_rank(self) -> int:
-        return self._horovod().local_rank()
-
-    @property
-    def node_rank(self) -> int:
-        return self._horovod().cross_rank()
-
-    @property
-    def world_size(self) -> int:
-        return self._horovod().size()
-
-    @property
+    @override
     def num_nodes(self) -> int:
         """Machines in the job (Horovod's cross size); before Horovod is initialized, what was asked for."""
         return self._hvd.cross_size() if self._initialized else self._num_nodes
@@ -147,10 +151,12 @@ class HorovodStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
+    @override
     def num_processes(self) -> int:
         return self._horovod().local_size()
 
     @property
+    @override
     def root_device(self) -> torch.device:
         devices = self.parallel_devices
         kind = devices[0].type if devices else "cpu"
@@ -162,11 +168,7 @@ class HorovodStrategy(ParallelStrategy):
         # devices=1 under horovodrun on a multi-GPU machine: one GPU per process, chosen by local rank
         return torch.device(kind, local_rank)
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        hvd = self._horovod()
-        return {"num_replicas": hvd.size(), "rank": hvd.rank()}
-
+    @override
     def setup_environment(self) -> None:
         hvd = self._horovod()
         if hvd.size() == 1 and self.parallel_devices is not None and len(self.parallel_devices) > 1:
@@ -178,13 +180,9 @@ class HorovodStrategy(ParallelStrategy):
         super().setup_environment()
         rank_zero_only.rank = hvd.rank()
 
-    def teardown(self) -> None:
-        # no hvd.shutdown(): Horovod cannot be initialized again in this process afterwards, and it
-        # shuts itself down at exit
-        super().teardown()
-
     # ---- modules and optimizers -------------------------------------------------------------------
 
+    @override
     def setup_module(self, module: Module) -> Module:
         """Start every rank from rank 0's parameters and buffers; the module itself is not wrapped."""
         hvd = self._horovod()
@@ -195,24 +193,27 @@ class HorovodStrategy(ParallelStrategy):
         if hvd.size() > 1:
             tensors = {name: value for name, value in module.state_dict().items() if isinstance(value, Tensor)}
             hvd.broadcast_parameters(tensors, root_rank=0)
+        self._set_up_modules.add(module)
         return module
 
+    @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Start from rank 0's optimizer state, then all-reduce gradients through Horovod."""
         hvd = self._horovod()
         index = self._num_optimizers
         self._num_optimizers += 1
         if hvd.size() > 1:
-            _broadcast_optimizer_state(hvd, optimizer)
+            broadcast_optimizer_state(hvd, optimizer)
         named = [
             (f"optimizer{index}.{self._parameter_names.get(id(p), f'unnamed.{g}.{i}')}", p)
             for g, group in enumerate(optimizer.param_groups)
             for i, p in enumerate(group["params"])
         ]
-        distributed = _distributed_optimizer(hvd, optimizer, named)
+        distributed = distributed_optimizer(hvd, optimizer, named)
         self._optimizers.add(distributed)
         return distributed
 
+    @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         for optimizer in self._optimizers:
             # a second backward before step(): let the first all-reduce finish, so the hooks can run again
@@ -221,8 +222,9 @@ class HorovodStrategy(ParallelStrategy):
             optimizer._synchronized = False
         super().backward(tensor, module, *args, **kwargs)
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        if not _is_distributed(optimizer):
+        if not is_distributed(optimizer):
             return super().optimizer_step(optimizer, **kwargs)
         closure = kwargs.pop("closure", None)
         closure_result = None
@@ -230,7 +232,7 @@ class HorovodStrategy(ParallelStrategy):
             # the closure's backward must finish before the gradients are all-reduced
             with torch.enable_grad():
                 closure_result = closure()
-        _synchronize(optimizer)
+        synchronize(optimizer)
         should_synchronize = optimizer._should_synchronize
         optimizer._should_synchronize = False
         try:
@@ -239,6 +241,7 @@ class HorovodStrategy(ParallelStrategy):
             optimizer._should_synchronize = should_synchronize
         return closure_result if closure is not None else result
 
+    @override
     def clip_gradients_norm(
         self,
         module: Module,
@@ -247,23 +250,24 @@ class HorovodStrategy(ParallelStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> Tensor:
-        _synchronize(optimizer)  # clip the averaged gradients, the same on every rank
+        synchronize(optimizer)  # clip the averaged gradients, the same on every rank
         return super().clip_gradients_norm(
             module, optimizer, max_norm=max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
+    @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        _synchronize(optimizer)
+        synchronize(optimizer)
         super().clip_gradients_value(module, optimizer, clip_val=clip_val)
 
+    @override
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        from fabric.strategies.strategy import check_optimizer_state_fits
-
         check_optimizer_state_fits(optimizer, state_dict)
-        _load_optimizer_state_in_place(optimizer, state_dict)
+        load_optimizer_state_in_place(optimizer, state_dict)
 
     # ---- collectives ------------------------------------------------------------------------------
 
+    @override
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         """Reduce ``tensor`` over all ranks ("mean"/"avg", "sum", "max", "min") into a new, detached tensor.
 
@@ -291,8 +295,7 @@ class HorovodStrategy(ParallelStrategy):
         result = hvd.allreduce(wire, op=getattr(hvd, op_name))
         return result if result.dtype == result_dtype else result.to(result_dtype)
 
-    reduce = all_reduce
-
+    @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack ``tensor`` from every rank into [world_size, ...] (same shape on every rank).
 
@@ -312,6 +315,7 @@ class HorovodStrategy(ParallelStrategy):
                 gathered = self._hvd.allgather(wire.detach().unsqueeze(0).contiguous())
         return gathered.to(tensor.dtype) if carrier is not None else gathered
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send ``obj`` from rank ``src`` to all ranks: tensors by Horovod broadcast, anything else pickled.
 
@@ -344,6 +348,7 @@ class HorovodStrategy(ParallelStrategy):
             result = torch.view_as_complex(result)
         return result.to(dtype) if carrier is not None else result
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         hvd = self._horovod()
         if hvd.size() == 1:
@@ -363,6 +368,7 @@ class _HorovodBackwardSyncControl(BackwardSyncControl):
     def __init__(self, strategy: HorovodStrategy) -> None:
         self._strategy = strategy
 
+    @override
     @contextmanager
     def no_backward_sync(self, module: Module, enabled: bool) -> Generator[None, None, None]:
         if not enabled:
@@ -405,143 +411,6 @@ class _AllGatherSumGrad(torch.autograd.Function):
         return hvd.allreduce(grad_output.contiguous(), op=hvd.Sum)[ctx.rank]
 
 
-# ---- Horovod's DistributedOptimizer, made safe to wrap ---------------------------------------------
-#
-# hvd.DistributedOptimizer returns an instance of a class made on the fly from the user's optimizer
-# class; its step/zero_grad/load_state_dict call ``super(self.__class__, self)``, which recurses forever
-# as soon as anything subclasses it, as FabricOptimizer does. It also keeps flags in plain attributes,
-# which FabricOptimizer (sharing the optimizer's __dict__ by copy) would see go stale. The class below
-# puts Horovod's methods on the user's class (one class per user class), replaces those three with
-# versions that name the user's class explicitly, and keeps the flags in a dict every view shares.
-
-_SHARED_FLAGS = ("_synchronized", "_should_synchronize", "backward_passes_per_step")
-_SAFE_CLASSES: dict[type, type] = {}
-# attributes of Horovod's class that are not behaviour to copy (or that we replace)
-_NOT_COPIED = frozenset({"__dict__", "__weakref__", "__init__", "__module__", "__qualname__", "__doc__"})
-
-
-def _shared_flag(name: str) -> property:
-    def get(self: Any) -> Any:
-        return self.__dict__["_fabric_flags"][name]
-
-    def set(self: Any, value: Any) -> None:
-        self.__dict__["_fabric_flags"][name] = value
-
-    return property(get, set)
-
-
-def _safe_class(horovod_class: type, user_class: type) -> type:
-    """One class per user optimizer class, with Horovod's behaviour and none of its ``super`` traps."""
-    if user_class in _SAFE_CLASSES:
-        return _SAFE_CLASSES[user_class]
-    hvd_synchronize = _import_horovod().synchronize
-
-    def step(self: Any, closure: Callable[[], Any] | None = None) -> Any:
-        if self._should_synchronize:
-            self.synchronize()
-        self._synchronized = False
-        return user_class.step(self) if closure is None else user_class.step(self, closure)
-
-    # user_class.step already runs the step hooks; keep torch from wrapping this step a second time
-    step.hooked = True  # type: ignore[attr-defined]
-
-    def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        # wait for all-reduces still writing into .grad instead of racing them (Horovod raises here)
-        for handle, _ in list(self._handles.values()):
-            if handle is not None and not callable(handle):
-                hvd_synchronize(handle)
-        if self._handles:
-            self._handles.clear()
-            for p in self._allreduce_delay:
-                self._allreduce_delay[p] = self.backward_passes_per_step
-        self._synchronized = False
-        user_class.zero_grad(self, set_to_none=set_to_none)
-
-    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-        self._handles.clear()
-        self._synchronized = False
-        self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        _load_optimizer_state_in_place(self, state_dict, load=lambda sd: user_class.load_state_dict(self, sd))
-
-    namespace = {key: value for key, value in vars(horovod_class).items() if key not in _NOT_COPIED}
-    namespace.update({name: _shared_flag(name) for name in _SHARED_FLAGS})
-    namespace.update(step=step, zero_grad=zero_grad, load_state_dict=load_state_dict, __module__=__name__)
-    cls = type(user_class.__name__, (user_class,), namespace)
-    _SAFE_CLASSES[user_class] = cls
-    return cls
-
-
-def _distributed_optimizer(hvd: Any, optimizer: Optimizer, named_parameters: list[tuple[str, Tensor]]) -> Optimizer:
-    """``hvd.DistributedOptimizer(optimizer)`` sharing param groups, state and hooks with ``optimizer``."""
-    try:
-        distributed = hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters)
-    except TypeError as err:
-        cls = type(optimizer).__name__
-        raise TypeError(
-            f"Horovod re-creates the optimizer as {cls}(param_groups) and that failed ({err}); with"
-            f" strategy='horovod', {cls}.__init__ needs defaults for every argument but the parameters"
-        ) from err
-    flags = {name: distributed.__dict__.pop(name) for name in _SHARED_FLAGS}
-    distributed.__dict__["_fabric_flags"] = flags
-    # Horovod built a fresh Optimizer around the same group dicts; share the user's state, defaults and
-    # hooks too, so the user's optimizer object and the returned one stay one optimizer
-    for key, value in optimizer.__dict__.items():
-        if key != "step":
-            distributed.__dict__[key] = value
-    distributed.__class__ = _safe_class(type(distributed), type(optimizer))
-    return distributed
-
-
-def _is_distributed(optimizer: Any) -> bool:
-    return "_fabric_flags" in getattr(optimizer, "__dict__", {})
-
-
-def _synchronize(optimizer: Optimizer) -> None:
-    """Finish the gradient all-reduce of ``optimizer`` unless that already happened this step."""
-    if _is_distributed(optimizer) and not optimizer._synchronized:  # type: ignore[attr-defined]
-        optimizer.synchronize()  # type: ignore[attr-defined]
-
-
-def _broadcast_optimizer_state(hvd: Any, optimizer: Optimizer) -> None:
-    state = optimizer.state_dict() if hvd.rank() == 0 else None
-    if state is not None:  # pickle from the CPU, so every rank unpickles onto a device it has
-        state = _tensors_to_cpu(state)
-    state = hvd.broadcast_object(state, root_rank=0, name="fabric.optimizer_state")
-    if hvd.rank() != 0:
-        _load_optimizer_state_in_place(optimizer, state)
-
-
-def _tensors_to_cpu(data: Any) -> Any:
-    from lightning_utilities.core.apply_func import apply_to_collection
-
-    return apply_to_collection(data, Tensor, lambda t: t.detach().cpu())
-
-
-def _load_optimizer_state_in_place(
-    optimizer: Optimizer, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None] | None = None
-) -> None:
-    """``optimizer.load_state_dict`` that keeps the ``param_groups`` list, its dicts and ``state``.
-
-    ``Optimizer.load_state_dict`` replaces them with new objects, which would leave every other view of
-    the optimizer (the user's original object, the FabricOptimizer, LR schedulers) on the old ones.
-    """
-    groups, group_dicts, state = optimizer.param_groups, list(optimizer.param_groups), optimizer.state
-    (load or optimizer.load_state_dict)(state_dict)
-    for old, new in zip(group_dicts, optimizer.param_groups):
-        if old is not new:
-            old.clear()
-            old.update(new)
-    groups[:] = group_dicts
-    if optimizer.state is not state:
-        new_state = optimizer.state
-        state.clear()
-        state.update(new_state)
-    optimizer.__dict__["param_groups"] = groups
-    optimizer.__dict__["state"] = state
-
-
 def _check_group(group: Any) -> None:
     if group is not None:
         raise ValueError(
@@ -573,4 +442,4 @@ def _reduce_op_name(reduce_op: Any) -> str:
     )
 
 
-__all__ = ["HorovodStrategy"]
+__all__ = ["HorovodEnvironment", "HorovodStrategy"]

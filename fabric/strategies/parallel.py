@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Generator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
-from fabric.strategies.strategy import REDUCE_OPS, Strategy
+from fabric._core.env import global_rank
+from fabric.strategies.strategy import REDUCE_OPS, ConnectorChoices, Strategy
+from fabric.utilities.rank_zero import rank_zero_only
 
 
 class ParallelStrategy(Strategy, ABC):
-    """A strategy with several ranks, each a process placed on one of ``parallel_devices``."""
+    """A strategy over several devices; with ``requires_launch``, each device is driven by its own process.
+
+    The ranks come from the cluster environment. A subclass that runs in this one process
+    (``requires_launch = False``) takes no cluster environment and so keeps the single-process ranks.
+    """
 
     requires_launch = True
 
@@ -31,6 +36,31 @@ class ParallelStrategy(Strategy, ABC):
         self.cluster_environment = cluster_environment
         self._num_nodes = 1
 
+    @override
+    def accept_choices(self, choices: ConnectorChoices) -> None:
+        super().accept_choices(choices)
+        if self.parallel_devices is None:
+            self.parallel_devices = choices.parallel_devices
+        if self.cluster_environment is None and self.requires_launch:
+            self.cluster_environment = choices.cluster_environment
+        self.num_nodes = choices.num_nodes
+        self._set_world_ranks()
+
+    def _set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size (known once the
+        devices and nodes are), so the ranks are right straight after ``Fabric(...)``."""
+        if self.cluster_environment is None:
+            return
+        self.cluster_environment.set_global_rank(global_rank(self.node_rank, self.num_processes, self.local_rank))
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @property
+    @override
+    def launched_externally(self) -> bool:
+        environment = self.cluster_environment
+        return environment is not None and environment.creates_processes_externally
+
     @property
     def num_nodes(self) -> int:
         return self._num_nodes
@@ -45,30 +75,31 @@ class ParallelStrategy(Strategy, ABC):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def global_rank(self) -> int:
         return self.cluster_environment.global_rank() if self.cluster_environment is not None else 0
 
     @property
+    @override
     def local_rank(self) -> int:
         return self.cluster_environment.local_rank() if self.cluster_environment is not None else 0
 
     @property
+    @override
     def node_rank(self) -> int:
         return self.cluster_environment.node_rank() if self.cluster_environment is not None else 0
 
     @property
+    @override
     def world_size(self) -> int:
         return self.cluster_environment.world_size() if self.cluster_environment is not None else 1
 
     @property
-    def is_global_zero(self) -> bool:
-        """Rank 0 of the whole job (not of each node)."""
-        return self.global_rank == 0
-
-    @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack ``tensor`` from every rank into [world_size, ...]; gradients flow back with ``sync_grads``."""
         import torch.distributed as dist
@@ -83,19 +114,11 @@ class ParallelStrategy(Strategy, ABC):
         dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         votes = torch.tensor(int(bool(decision)), device=self.root_device)
         votes = self.all_reduce(votes, reduce_op="sum")
         return bool(votes == self.world_size) if all else bool(votes > 0)
-
-    @contextmanager
-    def block_backward_sync(self, module: Any = None) -> Generator[None, None, None]:
-        """Keep gradients local in the backward passes inside this block."""
-        if self._backward_sync_control is None or module is None:
-            yield
-            return
-        with self._backward_sync_control.no_backward_sync(module, True):
-            yield
 
     def reconciliate_processes(self, trace: str) -> None:
         """Hand this rank's failure (``trace``) to the launcher, which diagnoses it and stops the job.
@@ -104,20 +127,16 @@ class ParallelStrategy(Strategy, ABC):
         collective timeout names the ranks that never arrived) and stops them; a supervised rank
         records the traceback for its supervisor. Without a launcher (torchrun, SLURM) nothing is done.
         """
-        launcher = self.launcher
-        if launcher is None:
-            return
-        on_failure = getattr(launcher, "on_rank_failure", None)
-        if callable(on_failure):
-            on_failure(trace)
-        elif callable(getattr(launcher, "kill", None)):
-            launcher.kill()
+        if self.launcher is not None:
+            self.launcher.on_rank_failure(trace)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         import traceback
 
         self.reconciliate_processes("".join(traceback.format_exception(exception)))
 
+    @override
     def teardown(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()

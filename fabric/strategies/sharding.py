@@ -25,13 +25,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits
 from fabric.strategies.ddp import ProcessGroupStrategy
-from fabric.strategies.strategy import (
-    BackwardSyncControl,
-    _entered_together,
-    check_optimizer_state_fits,
-    check_state_dict_fits,
-)
+from fabric.strategies.strategy import BackwardSyncControl, _entered_together
 
 
 class ShardedStrategy(ProcessGroupStrategy):
@@ -48,18 +44,13 @@ class ShardedStrategy(ProcessGroupStrategy):
         self._backward_sync_control = _ShardedBackwardSyncControl()
         # parameters that sharding replaced (by id): an optimizer still holding one was created too early
         self._replaced_parameters: dict[int, weakref.ref[Tensor]] = {}
-        self._sharded_modules: weakref.WeakSet[Module] = weakref.WeakSet()  # to find an optimizer's module
         self._full_checkpoints = False  # True: one file from rank 0 instead of a folder of shards
 
     def __getstate__(self) -> dict[str, Any]:
-        """Spawn-style launchers pickle the strategy: the weak sets (of this process's objects) stay behind."""
-        state = self.__dict__.copy()
-        state["_replaced_parameters"], state["_sharded_modules"] = {}, None
+        """Spawn-style launchers pickle the strategy: the weak references (to this process's objects) stay behind."""
+        state = super().__getstate__()
+        state["_replaced_parameters"] = {}
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._sharded_modules = weakref.WeakSet()
 
     @property
     def device_mesh(self) -> Any:
@@ -107,7 +98,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         move_plain_tensors(module, self.root_device)
         after = {id(p) for p in module.parameters()}
         self._replaced_parameters.update((id(p), weakref.ref(p)) for p in before if id(p) not in after)
-        self._sharded_modules.add(module)
+        self._set_up_modules.add(module)  # also block_backward_sync()'s modules when given none
         return module
 
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer]) -> tuple[Module, list[Optimizer]]:
@@ -198,7 +189,7 @@ class ShardedStrategy(ProcessGroupStrategy):
 
     def _module_of(self, optimizer: Optimizer) -> Module:
         params = {p for group in optimizer.param_groups for p in group["params"]}
-        for module in self._sharded_modules:
+        for module in self._set_up_modules:  # to find an optimizer's module
             if any(p in params for p in module.parameters()):
                 return module
         raise ValueError(

@@ -6,25 +6,18 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from fabric.strategies.strategy import Strategy
 
 
-class SingleDeviceStrategy(Strategy):
-    """Runs everything in this process on ``device``."""
+class OneProcessCollectives:
+    """The collectives of a strategy whose whole job is this one process: each returns its input.
 
-    def __init__(self, device: torch.device | str | int = "cpu", accelerator: Any = None, checkpoint_io: Any = None, precision: Any = None) -> None:
-        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
-        if isinstance(device, int):
-            device = torch.device("cuda", device)
-        self._root_device = torch.device(device)
-
-    @property
-    def root_device(self) -> torch.device:
-        return self._root_device
+    ``reduce_op`` is still checked, so a bad one fails in a one-process test run, not first on the cluster.
+    """
 
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        # checked here too, so a bad reduce_op fails in a one-process test run, not first on the cluster
         from fabric.strategies.parallel import check_reduce_op
 
         check_reduce_op(reduce_op)
@@ -39,6 +32,24 @@ class SingleDeviceStrategy(Strategy):
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return bool(decision)
+
+
+class SingleDeviceStrategy(OneProcessCollectives, Strategy):
+    """Runs everything in this process on ``device``."""
+
+    def __init__(self, device: torch.device | str | int = "cpu", accelerator: Any = None, checkpoint_io: Any = None, precision: Any = None) -> None:
+        super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        self._root_device = torch.device(device)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self._root_device
 
     def __repr__(self) -> str:
         return f"SingleDeviceStrategy(device={str(self._root_device)!r})"

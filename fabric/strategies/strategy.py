@@ -1,39 +1,68 @@
 """The strategy contract: how modules, optimizers, batches, collectives and checkpoints behave.
 
-``Strategy`` holds everything that does not depend on the number of processes (device placement,
-precision hooks, checkpoint conversion and validation); subclasses add the parallel parts.
+``Strategy`` declares what every strategy offers, with defaults (``requires_launch``, ``moves_batches``,
+``handles_gradient_accumulation``, ``start_method``, ``launched_externally``, ``launcher``, ...), takes
+what the connector decided through :meth:`Strategy.accept_choices`, and holds everything that does not
+depend on the number of processes (device placement, precision hooks, checkpoint conversion);
+subclasses add the parallel parts.
 """
 
 from __future__ import annotations
 
+import pickle
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from fabric.checkpoint.state import StateFilter, check_optimizer_state_fits, check_state_dict_fits, collect_states, restore_states
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from fabric.plugins.io.atomic_folder import is_sharded_checkpoint
-from fabric.plugins.io.state_layout import check_entries_present, filtered
 from fabric.plugins.precision import Precision
 from fabric.utilities.apply_func import move_data_to_device
-from fabric.utilities.exceptions import CheckpointMismatchError
 from fabric.utilities.init import EmptyInit
 
 if TYPE_CHECKING:
     from fabric.accelerators import Accelerator
+    from fabric.plugins.environments import ClusterEnvironment
     from fabric.strategies.launchers import Launcher
 
 REDUCE_OPS = ("mean", "avg", "sum", "max", "min")
 
 
+@dataclass(frozen=True)
+class ConnectorChoices:
+    """What the connector decided from the user's arguments and the environment.
+
+    A strategy takes each part it was not given explicitly (:meth:`Strategy.accept_choices`); a
+    checkpoint IO is only set when the user passed one as a plugin.
+    """
+
+    accelerator: Accelerator
+    precision: Precision
+    checkpoint_io: CheckpointIO | None
+    cluster_environment: ClusterEnvironment | None
+    parallel_devices: list[torch.device]
+    num_nodes: int
+
+
 class Strategy(ABC):
     """Base class of every strategy. ``Fabric`` forwards each call here and adds nothing distributed."""
+
+    #: ``Fabric.launch()`` must run before set-up: there are processes to start or a group to join.
+    requires_launch: ClassVar[bool] = False
+    #: Batches of set-up dataloaders go to ``root_device`` (False where the strategy places them itself).
+    moves_batches: ClassVar[bool] = True
+    #: The strategy itself holds back the gradient sync of accumulation steps (Horovod's optimizer does).
+    handles_gradient_accumulation: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -46,6 +75,16 @@ class Strategy(ABC):
         self._precision = precision
         self._launcher: Launcher | None = None
         self._backward_sync_control: BackwardSyncControl | None = None
+        # the modules setup_module() returned, where gradients are synchronized (block_backward_sync())
+        self._set_up_modules: weakref.WeakSet[Module] = weakref.WeakSet()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawn pickles the strategy before anything is set up; weak references cannot be pickled, so
+        # weak sets travel as empty ones
+        return {key: _EmptyWeakSet() if isinstance(value, weakref.WeakSet) else value for key, value in self.__dict__.items()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({key: weakref.WeakSet() if isinstance(value, _EmptyWeakSet) else value for key, value in state.items()})
 
     # ---- placement -------------------------------------------------------------------------------
 
@@ -56,7 +95,22 @@ class Strategy(ABC):
 
     @property
     def launcher(self) -> Launcher | None:
+        """What starts this strategy's processes in ``Fabric.launch()``; None when nothing is started."""
         return self._launcher
+
+    @property
+    def start_method(self) -> str | None:
+        """How the launcher makes processes ("popen", "spawn", ...); None for a strategy that starts none."""
+        return None
+
+    @property
+    def launched_externally(self) -> bool:
+        """Every process of the job was started by someone else (torchrun, srun, mpirun, ``fabric run``).
+
+        Then nothing is left to launch, and ``Fabric`` sets the process up on first use if the script
+        never calls ``launch()``.
+        """
+        return False
 
     @property
     def accelerator(self) -> Accelerator | None:
@@ -114,6 +168,15 @@ class Strategy(ABC):
         return None
 
     # ---- life cycle -------------------------------------------------------------------------------
+
+    def accept_choices(self, choices: ConnectorChoices) -> None:
+        """Take the connector's decisions for every part this strategy was not given explicitly."""
+        if self._accelerator is None:
+            self._accelerator = choices.accelerator
+        if self._precision is None:
+            self._precision = choices.precision
+        if choices.checkpoint_io is not None:
+            self._checkpoint_io = choices.checkpoint_io
 
     def _configure_launcher(self) -> None:
         """Create ``self._launcher`` if this strategy starts processes of its own."""
@@ -208,9 +271,30 @@ class Strategy(ABC):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         ...
 
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        """Another name of :meth:`all_reduce` (Lightning's strategies have both)."""
+        return self.all_reduce(tensor, group=group, reduce_op=reduce_op)
+
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """With ``all=True`` every rank must agree; with ``all=False`` one rank is enough."""
         return bool(decision)
+
+    @contextmanager
+    def block_backward_sync(self, module: Module | None = None) -> Generator[None, None, None]:
+        """Keep gradients local in the backward passes inside this block (gradient accumulation).
+
+        Without ``module``, every module this strategy set up is held back. A strategy without
+        gradient synchronization has nothing to hold back.
+        """
+        control = self._backward_sync_control
+        if control is None:
+            yield
+            return
+        modules = [module] if module is not None else list(self._set_up_modules)
+        with ExitStack() as stack:
+            for target in modules:
+                stack.enter_context(control.no_backward_sync(target, True))
+            yield
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
@@ -233,12 +317,24 @@ class Strategy(ABC):
         path: str | Path,
         state: dict[str, Any],
         storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+        filter: StateFilter | None = None,
     ) -> None:
-        """Turn modules/optimizers/stateful objects into state dicts and write the file from rank 0."""
-        checkpoint = self._convert_stateful_objects(state, filter)
+        """Turn modules/optimizers/stateful objects into state dicts and write the file from rank 0.
+
+        Collective: call it on every rank. When rank 0 fails to write, every rank raises the same error
+        (the outcome is broadcast), so no rank waits for a file that will not come.
+        """
+        checkpoint = collect_states(self, state, filter)
+        error: BaseException | None = None
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            try:
+                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            except Exception as err:
+                error = err
+        outcome = self.broadcast(_SaveOutcome.of(error), src=0)
+        if error is not None:
+            raise error
+        outcome.raise_if_failed()
 
     def load_checkpoint(
         self,
@@ -270,54 +366,40 @@ class Strategy(ABC):
         if isinstance(state, Optimizer):
             self.load_optimizer_state_dict(state, checkpoint)
             return {}
-        if not isinstance(checkpoint, dict):
-            raise TypeError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-        check_entries_present(path, state, checkpoint, strict)
-        present = {key: obj for key, obj in state.items() if key in checkpoint}
-        for key, obj in present.items():
-            if isinstance(obj, Module):
-                try:
-                    check_state_dict_fits(obj, checkpoint[key], strict=strict)
-                except (KeyError, RuntimeError) as err:
-                    raise type(err)(f"state[{key!r}]: {err.args[0]}") from None
-            elif isinstance(obj, Optimizer):
-                try:
-                    check_optimizer_state_fits(obj, checkpoint[key])
-                except ValueError as err:
-                    raise ValueError(f"state[{key!r}]: {err}") from None
-            elif _is_stateful(obj) and callable(getattr(obj, "check_state_dict", None)):
-                # stateful objects that can tell in advance (a FabricDataLoader) are checked here too
-                try:
-                    obj.check_state_dict(checkpoint[key])
-                except ValueError as err:
-                    raise ValueError(f"state[{key!r}]: {err}") from None
-        for key, obj in present.items():
-            value = checkpoint.pop(key)
-            if isinstance(obj, Module):
-                self.load_module_state_dict(obj, value, strict=strict)
-            elif isinstance(obj, Optimizer):
-                self.load_optimizer_state_dict(obj, value)
-            elif _is_stateful(obj):
-                obj.load_state_dict(value)
-            else:
-                state[key] = value
-        return checkpoint
+        return restore_states(self, state, checkpoint, path, strict=strict)
 
-    def _convert_stateful_objects(
-        self, state: dict[str, Any], filter: dict[str, Callable[[str, Any], bool]] | None
-    ) -> dict[str, Any]:
-        converted: dict[str, Any] = {}
-        for key, obj in state.items():
-            if isinstance(obj, Module):
-                value = self.get_module_state_dict(obj)
-            elif isinstance(obj, Optimizer):
-                value = self.get_optimizer_state(obj)
-            elif _is_stateful(obj):
-                value = obj.state_dict()
-            else:
-                value = obj
-            converted[key] = filtered(key, value, filter)
-        return converted
+
+@dataclass(frozen=True)
+class _SaveOutcome:
+    """Rank 0's result of writing a checkpoint, as every rank learns it (picklable, no traceback)."""
+
+    error_type: type[BaseException] | None = None
+    message: str = ""
+
+    @classmethod
+    def of(cls, error: BaseException | None) -> _SaveOutcome:
+        if error is None:
+            return cls()
+        error_type: type[BaseException] = type(error)
+        try:
+            pickle.dumps(error_type)
+        except Exception:  # a class the other ranks could not unpickle (defined in a function)
+            error_type = RuntimeError
+        return cls(error_type, f"{type(error).__name__}: {error}" if error_type is not type(error) else str(error))
+
+    def raise_if_failed(self) -> None:
+        if self.error_type is None:
+            return
+        text = f"Rank 0 failed to save the checkpoint: {self.message}"
+        try:
+            error = self.error_type(text)
+        except Exception:  # an exception class that takes other arguments: keep the message
+            error = RuntimeError(f"{self.error_type.__name__}: {text}")
+        raise error
+
+
+class _EmptyWeakSet:
+    """Stands in for a ``weakref.WeakSet`` attribute while a strategy is pickled."""
 
 
 class BackwardSyncControl(ABC):
@@ -341,48 +423,15 @@ def _entered_together(contexts: list[AbstractContextManager]) -> Generator[None,
         yield
 
 
-def _is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
 def _parameters_with_grad(optimizer: Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def check_state_dict_fits(module: Module, state_dict: Any, strict: bool = True) -> None:
-    """Raise before loading if ``state_dict`` would not load into ``module`` whole.
-
-    ``Module.load_state_dict`` copies the matching tensors before it reports a shape mismatch, leaving
-    the module half-loaded; checking first keeps it intact.
-    """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"Expected a state dict (a dict of tensors) for {type(module).__name__}, got {type(state_dict).__name__}")
-    expected = module.state_dict()
-    if strict:
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if missing or unexpected:
-            raise CheckpointMismatchError(
-                f"The checkpoint does not fit {type(module).__name__}: missing keys {missing},"
-                f" unexpected keys {unexpected}. Pass strict=False to load the keys that match."
-            )
-    for key, value in state_dict.items():
-        target = expected.get(key)
-        if isinstance(target, Tensor) and isinstance(value, Tensor) and target.shape != value.shape:
-            raise RuntimeError(
-                f"The checkpoint does not fit {type(module).__name__}: first mismatching key {key!r} has shape"
-                f" {tuple(value.shape)} in the checkpoint but {tuple(target.shape)} in the model"
-            )
-
-
-def check_optimizer_state_fits(optimizer: Optimizer, state_dict: Any) -> None:
-    if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
-        raise ValueError(f"Expected an optimizer state dict for {type(optimizer).__name__}, got {type(state_dict).__name__}")
-    saved = [len(group["params"]) for group in state_dict["param_groups"]]
-    current = [len(group["params"]) for group in optimizer.param_groups]
-    if saved != current:
-        raise ValueError(
-            f"The optimizer state does not fit {type(optimizer).__name__}: parameter group sizes {saved} in the"
-            f" checkpoint, {current} in the optimizer"
-        )
-
+__all__ = [
+    "BackwardSyncControl",
+    "ConnectorChoices",
+    "REDUCE_OPS",
+    "Strategy",
+    "check_optimizer_state_fits",
+    "check_state_dict_fits",
+]

@@ -217,12 +217,25 @@ def accumulation_checks(fabric: Any) -> dict[str, Any]:
     fabric.backward(ddp_model(micro[1]).pow(2).mean() / 2)
     big_batch = torch.cat([rank_batch(r, n=4, seed=s) for r in range(fabric.world_size) for s in (1, 2)])
     reference(big_batch).pow(2).mean().backward()
-    return {
+    out = {
         "inside_grads": inside,
         "inside_local_expected": flat_grads(local_first),
         "accumulated": fabric.all_gather(flat_grads(model)),
         "big_batch": flat_grads(reference),
     }
+    # the strategy's block_backward_sync() without an argument holds back every module it set up
+    model.zero_grad()
+    with fabric.strategy.block_backward_sync():
+        fabric.backward(ddp_model(micro[0]).pow(2).mean())
+    out["blocked_grads"] = fabric.all_gather(flat_grads(model))
+    local = copy.deepcopy(reference)
+    local.zero_grad()
+    local(micro[0]).pow(2).mean().backward()
+    out["blocked_local_expected"] = flat_grads(local)
+    model.zero_grad()
+    fabric.backward(ddp_model(micro[0]).pow(2).mean())
+    out["after_block_grads"] = fabric.all_gather(flat_grads(model))
+    return out
 
 
 def checkpoint_checks(fabric: Any, directory: str) -> dict[str, Any]:
@@ -388,6 +401,44 @@ def fork_job(fabric: Any) -> dict[str, Any]:
     fabric.barrier()
     fabric.strategy.teardown()
     return {"sum": total, "initialized_after_teardown": dist.is_initialized(), "local_rank": os.environ.get("LOCAL_RANK")}
+
+
+def save_failure_job(fabric: Any, directory: str) -> list[dict[str, Any]]:
+    """Rank 0 fails to write (a folder that is a file; a file-size limit); every rank must raise the same.
+
+    Returns what every rank saw (to rank 0's caller).
+    """
+    import resource
+    import signal
+
+    def attempt(path: str, state: dict[str, Any]) -> str | None:
+        try:
+            fabric.save(path, state)
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    blocker = os.path.join(directory, "a-file")
+    if fabric.global_rank == 0:
+        with open(blocker, "w") as f:
+            f.write("not a folder")
+    fabric.barrier()
+    out: dict[str, Any] = {"not_a_folder": attempt(os.path.join(blocker, "ckpt.pt"), {"step": 1})}
+    # the job goes on in step: a good save after the failed one works on every rank
+    out["good_save"] = attempt(os.path.join(directory, "good.pt"), {"step": 2})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if fabric.global_rank == 0:  # a full disk, as far as rank 0's write can tell (EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        out["too_big"] = attempt(os.path.join(directory, "big.pt"), {"weights": torch.zeros(100_000)})
+    finally:
+        if fabric.global_rank == 0:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    out["files"] = sorted(os.listdir(directory))
+    everyone: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(everyone, out)
+    return everyone
 
 
 def failing_job(fabric: Any, failing_rank: int) -> None:

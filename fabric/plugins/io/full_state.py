@@ -96,11 +96,8 @@ def load_full(
             current = state_layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
             named[key] = state_layout.optimizer_named(saved, current, key)
             state_layout.check_optimizer_fits(key, named[key], current)
-        elif state_layout.is_stateful(obj) and callable(getattr(obj, "check_state_dict", None)):
-            try:
-                obj.check_state_dict(saved)
-            except ValueError as err:
-                raise ValueError(f"state[{key!r}]: {err}") from None
+        else:
+            state_layout.check_stateful_entry(key, obj, saved)
     for key in present:
         obj, saved = state[key], checkpoint.pop(key)
         kind = state_layout.kind_of(obj)

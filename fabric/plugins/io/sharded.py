@@ -174,12 +174,7 @@ def _check_and_prepare(
         if kind != saved_kind:
             raise TypeError(f"state[{key!r}] is a {kind} here but the checkpoint holds a {saved_kind} under that key")
         if kind == OTHER:
-            check = getattr(obj, "check_state_dict", None)
-            if state_layout.is_stateful(obj) and callable(check):
-                try:
-                    check(skeleton[key])
-                except ValueError as err:
-                    raise ValueError(f"state[{key!r}]: {err}") from None
+            state_layout.check_stateful_entry(key, obj, skeleton[key])
             continue
         current = state_layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
         own = {flat: path for flat, path in paths.items() if path[0] == key}

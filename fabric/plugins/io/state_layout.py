@@ -20,6 +20,10 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+# the checkpoint-state protocol every layout follows (re-exported for the sharded and full layouts)
+from fabric.checkpoint.state import check_entries_present, check_stateful_entry, filtered
+from fabric.checkpoint.stateful import is_stateful
+
 MODULE = "module"
 OPTIMIZER = "optimizer"
 OTHER = "other"
@@ -33,10 +37,6 @@ def kind_of(obj: Any) -> str:
     if isinstance(obj, Optimizer):
         return OPTIMIZER
     return OTHER
-
-
-def is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def owner_of(optimizer: Optimizer, state: dict[str, Any], key: str) -> Module:
@@ -73,26 +73,6 @@ def state_dicts(
             value = obj.state_dict() if is_stateful(obj) else obj
         converted[key] = filtered(key, value, filter)
     return converted
-
-
-def filtered(key: str, value: Any, filter: dict[str, Callable[[str, Any], bool]] | None) -> Any:
-    """``value`` (a state dict) with only the entries ``filter[key]`` keeps, as ``Fabric.save(filter=...)`` asks."""
-    if filter is None or key not in filter:
-        return value
-    if not isinstance(value, dict):
-        raise TypeError(f"filter[{key!r}] applies to dicts, but state[{key!r}] is a {type(value).__name__}")
-    keep = filter[key]
-    return {name: item for name, item in value.items() if keep(name, item)}
-
-
-def check_entries_present(path: str | os.PathLike, state: dict[str, Any], saved: Any, strict: bool) -> None:
-    """KeyError if ``strict`` and some key of ``state`` has no entry among ``saved``'s keys."""
-    missing = [key for key in state if key not in saved]
-    if missing and strict:
-        raise KeyError(
-            f"Checkpoint {str(path)!r} has no entry for {missing} (it holds {sorted(saved)});"
-            " pass strict=False to load the entries it has"
-        )
 
 
 def split_tensors(entries: dict[str, Any], kinds: dict[str, str]) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Path_]]:

@@ -1,0 +1,36 @@
+"""Checkpoint state: what goes into a checkpoint and how it comes back, in one place.
+
+- ``stateful``: the named protocol (Stateful, with the optional "check before load" and "per-rank
+  state" declarations) that every checkpoint entry follows;
+- ``state``: the walk that turns ``Fabric.save``'s state into a checkpoint and loads one back,
+  asking the strategy what a module or an optimizer becomes (sharded strategies extend those hooks);
+- ``per_rank``: states that differ between ranks, gathered into the file rank 0 writes;
+- ``random_state`` and ``loader_progress``: the exact-resume state of a set-up dataloader.
+
+How the bytes reach the disk is the CheckpointIO's business (``fabric.plugins.io``).
+"""
+
+from __future__ import annotations
+
+from fabric.checkpoint.per_rank import PER_RANK_KEY, gather_per_rank_states, state_of_rank
+from fabric.checkpoint.random_state import capture_random_state, restore_random_state
+from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits, collect_states, restore_states
+from fabric.checkpoint.stateful import CheckedStateful, PerRankStateful, Stateful, checks_state, has_per_rank_state, is_stateful
+
+__all__ = [
+    "PER_RANK_KEY",
+    "CheckedStateful",
+    "PerRankStateful",
+    "Stateful",
+    "capture_random_state",
+    "check_optimizer_state_fits",
+    "check_state_dict_fits",
+    "checks_state",
+    "collect_states",
+    "gather_per_rank_states",
+    "has_per_rank_state",
+    "is_stateful",
+    "restore_random_state",
+    "restore_states",
+    "state_of_rank",
+]

@@ -1,0 +1,246 @@
+"""Where a set-up dataloader is in the data, kept so that a run stopped mid-epoch resumes exactly.
+
+A resumed run matches the uninterrupted one only if, at the first step after the checkpoint, every
+rank sees the same batch and the same random numbers. :class:`LoaderProgress` records per rank the
+data position (epoch, batches consumed), the random generator states, and, because re-creating a
+DataLoader iterator itself draws from torch's generator (the workers' base seed, a RandomSampler's
+seed), the generator state from the start of the interrupted epoch (see ``docs/resume.md``).
+A resumed epoch skips the consumed batches at the batch-sampler level (:class:`SkipBatches`), so no
+consumed sample is loaded again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fabric.checkpoint.per_rank import state_of_rank
+from fabric.checkpoint.random_state import capture_random_state, check_random_state, restore_random_state
+from fabric.utilities.data import loader_arguments
+
+__all__ = ["LoaderProgress", "SkipBatches", "loader_skipping"]
+
+_STATE_KEYS = ("epoch", "batches_consumed", "epoch_start", "random_state", "generators")
+
+
+class LoaderProgress:
+    """The position of one rank in ``dataloader`` and what it takes to continue from there."""
+
+    def __init__(self, dataloader: Any, rank: int = 0, world_size: int = 1) -> None:
+        self._dataloader = dataloader
+        self._rank = rank
+        self._world_size = world_size
+        self._num_iter_calls = 0  # the epoch the next iteration runs
+        self._epoch: int | None = None  # the epoch being iterated, None between epochs
+        self._consumed = 0  # batches handed out in that epoch
+        self._epoch_start: dict[str, Any] | None = None  # generator states from just before its iterator
+        self._resume: dict[str, Any] | None = None  # a loaded position, taken up by the next iteration
+
+    def iterate(self) -> Iterator[Any]:
+        """One epoch of the loader (after a load: the rest of the saved epoch), counting the batches."""
+        resume, self._resume = self._resume, None
+        epoch = self._num_iter_calls if resume is None else resume["epoch"]
+        self._num_iter_calls = epoch + 1
+        _set_sampler_epoch(self._dataloader, epoch)
+        self._epoch = epoch
+        if resume is not None and resume["batches_consumed"] > 0:
+            self._consumed = resume["batches_consumed"]
+            self._epoch_start = resume["epoch_start"]
+            iterator = _resumed_iterator(self._dataloader, self._consumed, self._epoch_start)
+        else:
+            self._consumed = 0
+            self._epoch_start = _generator_states(self._dataloader)
+            iterator = iter(self._dataloader)
+        for batch in iterator:
+            self._consumed += 1
+            yield batch
+        self._epoch = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position in the data and random generator states."""
+        if self._epoch is not None:  # inside an epoch (saved after a step, as a loop does)
+            position = {"epoch": self._epoch, "batches_consumed": self._consumed, "epoch_start": self._epoch_start}
+        elif self._resume is not None:  # loaded, not iterated yet: the loaded position still holds
+            position = dict(self._resume)
+        else:
+            position = {"epoch": self._num_iter_calls, "batches_consumed": 0, "epoch_start": None}
+        return {
+            **position,
+            "random_state": capture_random_state(),
+            "generators": [generator.get_state() for generator in _loader_generators(self._dataloader)],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the random generators now; the next iteration resumes at the saved position."""
+        state = self.check_state_dict(state_dict)
+        restore_random_state(state["random_state"])
+        for generator, saved in zip(_loader_generators(self._dataloader), state["generators"]):
+            generator.set_state(saved)
+        self._resume = {key: state[key] for key in ("epoch", "batches_consumed", "epoch_start")}
+        self._epoch = None
+
+    def check_state_dict(self, state_dict: Any) -> dict[str, Any]:
+        """This rank's entry of ``state_dict`` (one state or every rank's); ValueError if it does not fit."""
+        state = state_of_rank(state_dict, self._rank, self._world_size, "dataloader")
+        _check_loader_state(state, self._dataloader)
+        return state
+
+
+# ---- skipping consumed batches without loading them ------------------------------------------------
+
+
+class SkipBatches:
+    """A batch sampler that leaves out the first ``skip`` batches of ``batch_sampler``.
+
+    Only indices are drawn for the skipped batches: no sample is loaded. ``on_start`` is called once
+    the skipped part has been drawn (the sampler's own random draws for the epoch are done by then)
+    and before the first kept batch is handed out, or at the end if nothing is left.
+    """
+
+    def __init__(self, batch_sampler: Any, skip: int, on_start: Callable[[], None] | None = None) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+        self.on_start = on_start
+
+    @property
+    def sampler(self) -> Any:
+        return getattr(self.batch_sampler, "sampler", None)
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.batch_sampler)
+        started = False
+        try:
+            for _ in range(self.skip):
+                if next(iterator, _END) is _END:
+                    break
+            started = True
+            if self.on_start is not None:
+                self.on_start()
+            yield from iterator
+        finally:
+            if not started and self.on_start is not None:
+                self.on_start()
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip)
+
+
+_END = object()
+
+
+def loader_skipping(dataloader: Any, skip: int, on_start: Callable[[], None]) -> Any | None:
+    """A DataLoader like ``dataloader`` whose next epoch starts after ``skip`` batches, or None.
+
+    None when the loader cannot be rebuilt that way (not a ``torch.utils.data.DataLoader``, an
+    iterable dataset, or a subclass that does not take the standard arguments); the caller then
+    skips by iterating.
+    """
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return None
+    kwargs = loader_arguments(dataloader)
+    if dataloader.batch_sampler is not None:
+        kwargs["batch_sampler"] = SkipBatches(dataloader.batch_sampler, skip, on_start)
+    else:  # batch_size=None: the sampler yields one sample's index per "batch"
+        kwargs.update(batch_size=None, sampler=SkipBatches(dataloader.sampler, skip, on_start))
+    try:
+        return type(dataloader)(dataloader.dataset, **kwargs)
+    except (TypeError, ValueError):
+        return None
+
+
+# ---- the loader's random draws ------------------------------------------------------------------------
+
+
+def _loader_generators(dataloader: Any) -> list[torch.Generator]:
+    """The torch generators a loader draws from itself (its own, its sampler's), each once."""
+    candidates = (
+        getattr(dataloader, "generator", None),
+        getattr(getattr(dataloader, "sampler", None), "generator", None),
+        getattr(getattr(getattr(dataloader, "batch_sampler", None), "sampler", None), "generator", None),
+    )
+    found: list[torch.Generator] = []
+    for generator in candidates:
+        if isinstance(generator, torch.Generator) and generator.device.type == "cpu" and all(g is not generator for g in found):
+            found.append(generator)
+    return found
+
+
+def _generator_states(dataloader: Any) -> dict[str, Any]:
+    """What a new iterator of ``dataloader`` draws from: torch's global generator and the loader's own."""
+    return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in _loader_generators(dataloader)]}
+
+
+def _resumed_iterator(dataloader: Any, skip: int, epoch_start: dict[str, Any]) -> Iterator[Any]:
+    """The rest of an epoch after ``skip`` batches, with the random draws of the interrupted run.
+
+    Making a DataLoader iterator draws from torch's global generator (the workers' base seed, a
+    RandomSampler's seed), which in the interrupted run happened when the epoch began. So the
+    generators are set back to that moment for the iterator's own draws, and torch's is set forward
+    again (to its loaded state) just before the first remaining batch is fetched.
+    """
+    now = torch.get_rng_state()
+    torch.set_rng_state(epoch_start["torch"])
+    for generator, saved in zip(_loader_generators(dataloader), epoch_start["generators"]):
+        generator.set_state(saved)
+    restored = False
+
+    def continue_random_state() -> None:
+        nonlocal restored
+        if not restored:
+            restored = True
+            torch.set_rng_state(now)
+
+    skipping = loader_skipping(dataloader, skip, continue_random_state)
+    if skipping is not None:
+        yield from skipping
+        return
+    # not a rebuildable DataLoader (an iterable dataset, a custom loader): skip by iterating
+    iterator = iter(dataloader)
+    try:
+        for _ in range(skip):
+            next(iterator)
+    except StopIteration:
+        return
+    finally:
+        continue_random_state()
+    yield from iterator
+
+
+def _check_loader_state(state: Any, dataloader: Any) -> None:
+    if not isinstance(state, dict) or not set(_STATE_KEYS) <= set(state):
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            "Expected a FabricDataLoader state with 'epoch', 'batches_consumed', 'epoch_start', 'random_state'"
+            f" and 'generators', got {keys}"
+        )
+    for key in ("epoch", "batches_consumed"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"The saved dataloader state has {key}={value!r}; expected an int >= 0")
+    epoch_start = state["epoch_start"]
+    if state["batches_consumed"] > 0 and not (
+        isinstance(epoch_start, dict) and isinstance(epoch_start.get("torch"), torch.Tensor)
+        and isinstance(epoch_start.get("generators"), list)
+    ):
+        raise ValueError("The saved dataloader state is mid-epoch but has no valid 'epoch_start' generator states")
+    check_random_state(state["random_state"])
+    expected = len(_loader_generators(dataloader))
+    if len(state["generators"]) != expected:
+        raise ValueError(
+            f"The saved dataloader state has {len(state['generators'])} generator state(s) but this loader draws"
+            f" from {expected}; was it saved from a loader built the same way?"
+        )
+
+
+def _set_sampler_epoch(dataloader: Any, epoch: int) -> None:
+    """Reshuffle distributed shards every epoch without the user calling ``set_epoch``."""
+    samplers = (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None))
+    for index, sampler in enumerate(samplers):
+        if index == 1 and sampler is samplers[0]:
+            break  # a DataLoader's batch sampler usually wraps its sampler: set the epoch once
+        if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
