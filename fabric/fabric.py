@@ -29,6 +29,7 @@ from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import rank_zero_only
 from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.state import check_filter
+from fabric.utilities.seed import add_worker_seeding
 from fabric.utilities.seed import seed_everything as _seed_everything
 from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, is_wrapped, unwrap
 
@@ -252,6 +253,7 @@ class Fabric:
 
             dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
         dataloader = self._strategy.process_dataloader(dataloader)
+        add_worker_seeding(dataloader, rank=self.global_rank)
         device = self.device if move_to_device and self._strategy.moves_batches else None
         return FabricDataLoader(dataloader, device=device, rank=self.global_rank, world_size=self.world_size)
 

@@ -198,3 +198,28 @@ def test_worker_init_function_in_real_workers():
     assert len(set(values)) == 4  # without it, both forked workers would draw the same NumPy numbers
     seed_everything(3)
     assert list(loader) == values
+
+
+def _numpy_draw(batch):
+    return float(np.random.rand())
+
+
+@pytest.mark.timeout(60)
+def test_seed_everything_workers_gives_set_up_loaders_the_seeding_worker_init_fn():
+    fabric = Fabric(accelerator="cpu", devices=1)
+    dataset = torch.utils.data.TensorDataset(torch.arange(4))
+    own = torch.utils.data.DataLoader(dataset, worker_init_fn=print)
+
+    fabric.seed_everything(5, workers=False, verbose=False)
+    assert fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset)).worker_init_fn is None
+
+    fabric.seed_everything(5, workers=True, verbose=False)
+    loader = fabric.setup_dataloaders(
+        torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=2, collate_fn=_numpy_draw)
+    )
+    assert loader.worker_init_fn.func is worker_init_function
+    assert fabric.setup_dataloaders(own).worker_init_fn is print  # a loader's own function is kept
+    values = list(loader)
+    assert len(set(values)) == 4  # without seeding, both forked workers would draw the same NumPy numbers
+    fabric.seed_everything(5, workers=True, verbose=False)
+    assert list(loader) == values

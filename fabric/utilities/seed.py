@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,3 +111,17 @@ def _rank_or_none() -> int | None:
         if value is not None and value.isdigit():
             return int(value)
     return None
+
+
+def add_worker_seeding(dataloader: Any, rank: int) -> None:
+    """Give ``dataloader`` the seeding ``worker_init_fn`` after ``seed_everything(workers=True)``.
+
+    A loader with its own ``worker_init_fn`` keeps it.
+    """
+    if not seed_workers_from_environment():
+        return
+    if getattr(dataloader, "worker_init_fn", _ABSENT) is None:
+        dataloader.worker_init_fn = partial(worker_init_function, rank=rank)
+
+
+_ABSENT = object()
