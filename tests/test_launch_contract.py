@@ -122,7 +122,8 @@ def test_no_launch_under_slurm_variables(tmp_path):
     port = str(free_port())
     ranks = [
         {
-            "SLURM_NTASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
+            "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1",
+            "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NODEID": "0",
             "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
         }
         for r in range(2)
