@@ -114,10 +114,13 @@ def _positive_int(option: str) -> Any:
     return parse
 
 
-def _non_negative_int(value: str) -> int:
-    if value.strip().isdigit():
-        return int(value)
-    raise argparse.ArgumentTypeError(f"--node-rank={value!r} is not valid; accepted: an integer >= 0")
+def _non_negative_int(option: str) -> Any:
+    def parse(value: str) -> int:
+        if value.strip().isdigit():
+            return int(value)
+        raise argparse.ArgumentTypeError(f"{option}={value!r} is not valid; accepted: an integer >= 0")
+
+    return parse
 
 
 def _port(value: str) -> int:
@@ -148,7 +151,7 @@ def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
             help="Number of machines (nodes) in the job. Default: 1."),
         ),
         ("node_rank", ("--node-rank", "--node_rank"), dict(
-            type=_non_negative_int, default=0, metavar="R",
+            type=_non_negative_int("--node-rank"), default=0, metavar="R",
             help="Index of this machine, 0 .. num_nodes-1 (run the command once per machine). Default: 0."),
         ),
         ("main_address", ("--main-address", "--main_address"), dict(
@@ -160,6 +163,11 @@ def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
             type=_port, default=None, metavar="PORT",
             help=f"Port on the main machine for the rendezvous. Default: {DEFAULT_MAIN_PORT}"
             " (on a single node, a free port)."),
+        ),
+        ("max_restarts", ("--max-restarts", "--max_restarts"), dict(
+            type=_non_negative_int("--max-restarts"), default=0, metavar="N",
+            help="After a rank fails, stop this node's ranks and start them again, up to N times; every"
+            " attempt sees TORCHELASTIC_RESTART_COUNT (0, 1, ...). One node only. Default: 0."),
         ),
         ("precision", ("--precision",), dict(
             type=_choice("--precision", PRECISIONS), default=None, metavar="P",
@@ -251,6 +259,7 @@ class RunConfig:
     main_port: int | None
     precision: str | None
     given: frozenset[str]  # the options the user wrote
+    max_restarts: int = 0
 
 
 def parse_run_args(argv: Sequence[str]) -> RunConfig:
@@ -264,6 +273,12 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         parser.error(
             f"--node-rank={args.node_rank} is not valid with --num-nodes={args.num_nodes};"
             f" accepted: 0 .. {args.num_nodes - 1}"
+        )
+    if args.max_restarts and args.num_nodes > 1:
+        parser.error(
+            f"--max-restarts={args.max_restarts} is not supported with --num-nodes={args.num_nodes}: the machines"
+            " would have to restart together; accepted: --max-restarts with --num-nodes=1 (for several machines"
+            " use torchrun --max-restarts, which DDPStrategy rejoins)"
         )
     if not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} does not exist (or is not a file)")
@@ -287,6 +302,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         main_port=args.main_port,
         precision=args.precision,
         given=given,
+        max_restarts=args.max_restarts,
     )
 
 
@@ -347,8 +363,12 @@ def _ignore(signum: int, frame: Any) -> None:
     """Signals the supervisor handles: the signal pipe has woken it; nothing else to do here."""
 
 
-def _run_ranks(command: list[str], envs: dict[int, dict[str, str]]) -> int:
-    """Start the ranks of this node under one supervisor; the first failure or a signal stops them all."""
+def _run_ranks(command: list[str], envs: dict[int, dict[str, str]], max_restarts: int = 0) -> int:
+    """Start the ranks of this node under one supervisor; the first failure or a signal stops them all.
+
+    After a failure (not a signal) the ranks are started again, up to ``max_restarts`` times, each
+    attempt with ``TORCHELASTIC_RESTART_COUNT`` set as torchrun sets it.
+    """
     from fabric.strategies.launchers.command_rank import CommandRank
     from fabric.strategies.launchers.supervisor import SignalPipe, Supervisor
 
@@ -360,12 +380,17 @@ def _run_ranks(command: list[str], envs: dict[int, dict[str, str]]) -> int:
     first = min(envs)
 
     def start_rank(rank: int, job_dir: str) -> CommandRank:
+        env = {**envs[rank], "TORCHELASTIC_RESTART_COUNT": str(supervisor.attempts - 1),
+               "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
         # local rank 0 keeps the terminal's stdin, as under torchrun
-        return CommandRank(rank, command, envs[rank], job_dir, keep_stdin=rank == first)
+        return CommandRank(rank, command, env, job_dir, keep_stdin=rank == first)
 
     supervisor = Supervisor(start_rank, sorted(envs), signals=signals)
     try:
         result = supervisor.run(report=_say)
+        while result.failure is not None and supervisor.attempts <= max_restarts:
+            _say(f"restarting the ranks on this node (restart {supervisor.attempts} of {max_restarts})")
+            result = supervisor.run(report=_say)
     finally:
         supervisor.close()
         signals.close()
@@ -382,7 +407,7 @@ def run(config: RunConfig) -> int:
         _say(f"error: {err}")
         return 2
     env = {**os.environ, **fabric_environment(config, nprocs)}
-    if nprocs == 1 and config.num_nodes == 1:
+    if nprocs == 1 and config.num_nodes == 1 and not config.max_restarts:
         # one process: become the script (same pid, signals and exit status are simply the script's)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -398,7 +423,7 @@ def run(config: RunConfig) -> int:
     for local_rank in range(nprocs):
         ranks = rank_environment(config.main_address, main_port, config.node_rank, config.num_nodes, nprocs, local_rank)
         envs[global_rank(config.node_rank, nprocs, local_rank)] = {**env, **ranks}
-    return _run_ranks([sys.executable, config.script, *config.script_args], envs)
+    return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts)
 
 
 # ---- entry point --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Restart and resume: a rank is killed mid-epoch, the launcher starts the job again, the job resumes
-from its latest checkpoint and ends bit-identical to a run that was never interrupted.
+from its latest checkpoint and ends bit-identical to a run that was never interrupted, under
+``fabric run --max-restarts`` and ``torchrun --max-restarts``.
 
 Real processes: ``resilience_scripts/keep_going_job.py`` (2 ranks, a checkpoint every 3 steps) whose
 rank 1 kills itself with SIGKILL before step 8 in the first attempt. Under ``torchrun --max-restarts 1``
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multinode_scripts.support import PYTHON, REPO, clean_env, finish, free_port, start
+from multinode_scripts.support import PYTHON, REPO, clean_env, fabric_run, finish, free_port, run, start
 
 JOB = REPO / "tests" / "resilience_scripts" / "keep_going_job.py"
 ATTEMPT_RANK = REPO / "tests" / "resilience_scripts" / "elastic_attempt_rank.py"
@@ -65,6 +66,38 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_exactly(tmp_path, u
     assert code == 0, f"torchrun exited with {code}:\n{out}\n{err[-6000:]}"
     assert "(exitcode: -9) local_rank: 1" in err, err[-3000:]  # torchrun saw rank 1 killed by SIGKILL
     assert_resumed_exactly(tmp_path, uninterrupted)
+
+
+@pytest.mark.timeout(400)
+def test_fabric_run_restarts_a_killed_rank_and_the_job_resumes_exactly(tmp_path, uninterrupted) -> None:
+    command = fabric_run("--accelerator", "cpu", "--devices", 2, "--max-restarts", 1, JOB, tmp_path,
+                         "--die-rank", 1, "--die-at", DIE_AT)
+    [(code, out, err)] = finish([start(command, env=clean_env(OMP_NUM_THREADS="1"))], 300)
+    assert code == 0, f"fabric run exited with {code}:\n{out}\n{err[-6000:]}"
+    assert "rank 1 was killed by SIGKILL" in err and "restart 1 of 1" in err, err[-3000:]
+    assert_resumed_exactly(tmp_path, uninterrupted)
+
+
+@pytest.mark.timeout(200)
+def test_fabric_run_gives_up_after_max_restarts(tmp_path) -> None:
+    """A rank that dies in every attempt: N restarts, then the job fails with the rank's status."""
+    script = tmp_path / "always_fails.py"
+    script.write_text("import os, time\nrank = os.environ['RANK']\n"
+                      "os.write(1, f\"attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} rank {rank}\\n\".encode())\n"
+                      "raise SystemExit(3) if rank == '1' else time.sleep(60)\n")
+    result = run(fabric_run("--devices", 2, "--max-restarts", 2, script), timeout=120, check=False)
+    assert result.returncode == 3, result.stderr
+    failing = [line for line in result.stdout.splitlines() if line.endswith("rank 1")]
+    assert failing == ["attempt 0 rank 1", "attempt 1 rank 1", "attempt 2 rank 1"], result.stdout
+    assert result.stderr.count("restarting the ranks") == 2
+
+
+def test_max_restarts_with_several_nodes_is_refused(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("")
+    result = run(fabric_run("--num-nodes", 2, "--max-restarts", 1, script), timeout=60, check=False)
+    assert result.returncode == 2
+    assert "--max-restarts=1 is not supported with --num-nodes=2" in result.stderr
 
 
 def _attempt_rank(rank: int, attempt: int, port: int, timeout_s: float = 20):
