@@ -167,3 +167,15 @@ def test_requeue_job_id_of_an_array_task(monkeypatch) -> None:
     monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "1000")
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     assert slurm_job_id() == "1000_3"
+
+
+def test_no_requeue_without_slurm_or_with_auto_requeue_off(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
+    from fabric.utilities import preemption
+
+    monkeypatch.setattr(preemption, "_REQUEUE_REGISTERED", False)
+    for environment in (SLURMEnvironment(auto_requeue=False), LightningEnvironment()):
+        preemption._requeue_at_exit_if_asked(SimpleNamespace(global_rank=0, cluster_environment=environment))
+        assert preemption._REQUEUE_REGISTERED is False

@@ -70,8 +70,10 @@ def _requeue_at_exit_if_asked(strategy: Any) -> None:
     global _REQUEUE_REGISTERED
     if _REQUEUE_REGISTERED or strategy.global_rank != 0:
         return
+    from fabric.plugins.environments import SLURMEnvironment
+
     environment = getattr(strategy, "cluster_environment", None)
-    if type(environment).__name__ != "SLURMEnvironment" or not getattr(environment, "auto_requeue", True):
+    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
         return
     _REQUEUE_REGISTERED = True
     atexit.register(requeue_slurm_job)
