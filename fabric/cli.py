@@ -434,7 +434,8 @@ usage: {_PROG} <command> [options]
 Fabric's command-line tool.
 
 commands:
-  run    Run a script that uses Fabric on several devices or machines (`{_PROG} run --help`).
+  run          Run a script that uses Fabric on several devices or machines (`{_PROG} run --help`).
+  consolidate  Turn a sharded checkpoint folder into one file (`{_PROG} consolidate --help`).
 
 options:
   -h, --help  show this help message and exit
@@ -453,9 +454,13 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
         print(f"{_PROG} {__version__}")
         raise SystemExit(0)
+    if args[0] == "consolidate":
+        from fabric.consolidate import main as consolidate_main
+
+        raise SystemExit(consolidate_main(args[1:]))
     if args[0] != "run":
         sys.stderr.write(_TOP_HELP)
-        sys.stderr.write(f"{_PROG}: error: unknown command {args[0]!r}; accepted: run\n")
+        sys.stderr.write(f"{_PROG}: error: unknown command {args[0]!r}; accepted: run, consolidate\n")
         raise SystemExit(2)
     config = parse_run_args(args[1:])
     raise SystemExit(run(config))

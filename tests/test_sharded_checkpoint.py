@@ -8,9 +8,11 @@ and the full file and saves again from 4 processes; the single-process loads run
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,69 @@ def test_two_to_four_processes_sharded_and_full_then_back_to_one(saved_on_two, t
     load_sharded(tmp_path / "resaved", state)
     assert state["step"] == 3
     assert_same_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, reference)
+
+
+@pytest.mark.timeout(300)
+def test_consolidate_command_writes_what_a_full_save_writes(saved_on_two, tmp_path):
+    out = tmp_path / "one.pt"
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "fabric", "consolidate", str(saved_on_two / "sharded"), str(out)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout
+    consolidated = torch.load(out, weights_only=True)
+    full = torch.load(saved_on_two / "full.pt", weights_only=True)
+    assert consolidated["step"] == 3 and consolidated["note"] == {"text": "hi", "rank_zero": True}
+    assert_same_state(consolidated, full)
+    # a plain model and optimizer load the consolidated file with their own load_state_dict
+    model, optimizer = plain_model_and_optimizer()
+    model.load_state_dict(consolidated["model"])
+    optimizer.load_state_dict(consolidated["optimizer"])
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "fabric", "consolidate", str(saved_on_two / "full.pt"), str(tmp_path / "x.pt")],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert bad.returncode == 1 and "is not a sharded checkpoint folder" in bad.stderr
+    assert not (tmp_path / "x.pt").exists()
+
+
+def _kill_mid_write(tmp_path: Path, *mode: str) -> None:
+    """Start the saving job, SIGKILL its ranks while a save's shards are being written, check the result."""
+    procs = start_job(2, TESTS / "dcp_scripts" / "kill_target.py", str(tmp_path), *mode)
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            writing = [p for p in tmp_path.glob(".fabric-tmpdir-ckpt.*") if any(p.glob("*.distcp"))]
+            if (tmp_path / "ckpt").is_dir() and writing:
+                break
+            assert all(proc.poll() is None for proc in procs), "a rank ended early:\n" + procs[0].communicate()[0][-3000:]
+            time.sleep(0.005)
+        else:
+            pytest.fail("no save in progress was seen")
+        os.kill(procs[1].pid, signal.SIGKILL)  # really, mid-write
+        os.kill(procs[0].pid, signal.SIGKILL)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert [p for p in tmp_path.glob(".fabric-tmpdir-ckpt.*")], "the kill should have cut a save short"
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+    state = {"model": model, "step": 0}
+    load_sharded(tmp_path / "ckpt", state)  # the previous checkpoint, whole
+    assert state["step"] >= 1
+    for param in model.parameters():
+        assert torch.all(param == float(state["step"])), "the checkpoint mixes two saves"
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    _kill_mid_write(tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    _kill_mid_write(tmp_path, "async")

@@ -1,0 +1,51 @@
+"""``fabric consolidate CHECKPOINT_DIR OUT.pt``: turn a sharded checkpoint folder into one file.
+
+Runs in this one process, without starting a job: every tensor is read whole from its shards. The
+result is what ``state_dict_type="full"`` writes: plain ``torch.load`` reads it (safely, with
+``weights_only=True``), optimizer states are in ``Optimizer.state_dict()``'s numbered form, and the
+non-tensor entries (step counters, loader states, ...) are kept. The file is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+PROG = "fabric consolidate"
+
+
+def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool | None = None) -> dict:
+    """Read the sharded checkpoint ``checkpoint_dir`` whole and write it to the file ``out``; return it."""
+    from fabric.plugins.io.atomic_folder import is_sharded_checkpoint
+    from fabric.plugins.io.sharded import load_sharded
+    from fabric.plugins.io.single_file import atomic_save
+
+    if not is_sharded_checkpoint(checkpoint_dir):
+        what = "does not exist" if not Path(checkpoint_dir).exists() else "is not a sharded checkpoint folder"
+        raise ValueError(f"{str(checkpoint_dir)!r} {what}; {PROG} takes a folder written by a sharded save")
+    if Path(out).resolve() == Path(checkpoint_dir).resolve() or Path(out).is_dir():
+        raise ValueError(f"OUT.pt {str(out)!r} must be a file path, not the checkpoint folder or another folder")
+    checkpoint = load_sharded(checkpoint_dir, weights_only=weights_only)
+    atomic_save(checkpoint, out)
+    return checkpoint
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="folder written by a sharded save")
+    parser.add_argument("out", metavar="OUT.pt", help="the single file to write")
+    parser.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="allow pickled objects in the checkpoint's non-tensor part (only for files you trust)",
+    )
+    args = parser.parse_args(list(argv))
+    try:
+        checkpoint = consolidate(args.checkpoint_dir, args.out, weights_only=False if args.unsafe_load else None)
+    except (ValueError, OSError, RuntimeError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 1
+    print(f"{PROG}: wrote {args.out} ({', '.join(sorted(map(str, checkpoint)))})")
+    return 0
