@@ -69,8 +69,12 @@ def test_replacing_a_checkpoint_leaves_a_whole_one_in_every_window(tmp_path):
     os.rename(tmp_path / "scratch", target)
     assert same(weights_of(target), new)
     save_sharded(target, {"model": new_model, "optimizer": new_opt})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    # the replaced folder is kept as the spare the next save overwrites in place; nothing else is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fabric-spare-ckpt", "ckpt"]
     assert same(weights_of(target), new)
+    save_sharded(target, {"model": old_model, "optimizer": old_opt})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fabric-spare-ckpt", "ckpt"]
+    assert same(weights_of(target), old)
 
 
 def test_aside_names_belong_to_one_target_only(tmp_path):

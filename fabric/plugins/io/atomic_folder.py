@@ -5,12 +5,18 @@ all are done, rank 0 fsyncs and publishes it with renames:
 
 1. ``NAME`` (if any) is renamed aside to ``.fabric-old-NAME.TOKEN``
 2. the temporary folder is renamed to ``NAME``
-3. the aside copy is removed.
+3. the aside copy becomes the *spare*, ``.fabric-spare-NAME``.
 
 A crash before 1 leaves ``NAME`` untouched; between 1 and 2 ``NAME`` is missing and the aside copy is
 the previous checkpoint, whole: :func:`resolve_for_load` finds it and the next save puts it back
-(:func:`prepare_target`); after 2 ``NAME`` is the new checkpoint and leftovers are removed by the next
-save. Every piece can be tested without processes.
+(:func:`prepare_target`); after 2 ``NAME`` is the new checkpoint and leftovers are cleaned up by the
+next save. Every piece can be tested without processes.
+
+Why a spare: the next save renames it to its temporary folder and overwrites its files in place.
+On ext4 rewriting existing files measured ~1.6x faster than writing new ones and deleting the old
+(block allocation and freeing); with the spare, an atomic save costs what an in-place
+``torch.distributed.checkpoint.save`` costs. The price is disk space: the spare keeps the peak of
+a save (old + new checkpoint) allocated between saves. It is never loaded, and removing it is safe.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from fabric.plugins.io.single_file import _fsync_folder as fsync_folder
 
 TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"
 ASIDE_PREFIX = ".fabric-old-"
+SPARE_PREFIX = ".fabric-spare-"
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
 _TOKEN_BYTES = 6
 
@@ -38,11 +45,13 @@ def temp_folder_for(path: str | Path, token: str) -> Path:
     return path.parent / f"{TEMP_FOLDER_PREFIX}{path.name}.{token}"
 
 
-def prepare_target(path: str | Path) -> None:
+def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[str] = frozenset()) -> None:
     """Before a save (rank 0, no save of ``path`` running): undo what a crashed save left behind.
 
     A missing ``path`` with an aside copy is a commit cut between its two renames: the previous
-    checkpoint goes back in place. Temporary folders and other aside copies are garbage.
+    checkpoint goes back in place. Other aside copies and temporary folders are garbage. With a
+    ``token``, the spare (if any) becomes this save's temporary folder, keeping only the files named
+    in ``keep`` (those the save will overwrite).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +63,17 @@ def prepare_target(path: str | Path) -> None:
         asides.remove(newest)
     for leftover in asides + _siblings(path, TEMP_FOLDER_PREFIX):
         _remove(leftover)
+    spare = spare_for(path)
+    if token is not None and spare.is_dir() and not spare.is_symlink():
+        for entry in spare.iterdir():
+            if entry.name not in keep:
+                _remove(entry)
+        os.rename(spare, temp_folder_for(path, token))
+
+
+def spare_for(path: str | Path) -> Path:
+    path = Path(path)
+    return path.parent / f"{SPARE_PREFIX}{path.name}"
 
 
 def commit_folder(temp: Path, path: str | Path, token: str) -> None:
@@ -66,7 +86,12 @@ def commit_folder(temp: Path, path: str | Path, token: str) -> None:
         os.rename(path, aside)
     os.rename(temp, path)
     fsync_folder(path.parent)
-    if replacing:
+    if not replacing:
+        return
+    spare = spare_for(path)
+    if aside.is_dir() and not aside.is_symlink() and not _exists(spare):
+        os.rename(aside, spare)  # the next save overwrites its files
+    else:
         _remove(aside)
 
 

@@ -72,14 +72,23 @@ def _agree_on_token(path: str | Path, group: Any) -> str:
     token, error = None, None
     if _rank(group) == 0:
         try:
-            atomic_folder.prepare_target(path)
             token = atomic_folder.new_token()
+            atomic_folder.prepare_target(path, token, keep=_files_written(group))
         except OSError as err:
             error = f"{type(err).__name__}: {err}"
     token, error = _broadcast((token, error), group)
     if error is not None:  # every rank raises, none is left waiting for the others
         raise OSError(f"Cannot save the sharded checkpoint {str(path)!r}: {error}")
     return token
+
+
+def _files_written(group: Any) -> frozenset[str]:
+    """The data files a save by this job writes (torch's writer: one per rank), so a reused folder keeps
+    them to be overwritten and drops the rest (its old index, shards of a run with more processes)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group) if _distributed() else 1
+    return frozenset({OBJECTS_FILE, *(f"__{rank}_0.distcp" for rank in range(world_size))})
 
 
 def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
