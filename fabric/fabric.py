@@ -452,13 +452,20 @@ class Fabric:
         path: str | Path,
         state: dict[str, Any],
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
+        *,
+        async_save: bool = False,
     ) -> None:
-        """Write ``state`` to ``path`` atomically, once (from rank 0).
+        """Write ``state`` to ``path`` atomically, once (from rank 0; under a sharded strategy every rank
+        writes its shards into a folder).
 
         Modules and optimizers in ``state`` become their state dicts; ``filter`` maps a state key to a
         ``(name, value) -> bool`` predicate choosing which entries of that object's state dict to keep.
         A dataloader from ``setup_dataloaders`` is saved with every rank's position and random states,
         for an exact resume (``docs/resume.md``); call ``save`` on every rank.
+
+        ``async_save=True`` (fabric's addition) returns once the tensors are copied to CPU memory and
+        writes in the background; the next save or load, teardown and program exit wait for it, and
+        its error, if any, is raised there. The file or folder still appears whole or not at all.
         """
         self._check_launched("save")  # before writing anything: the collective at the end would fail late
         if not isinstance(state, dict):
@@ -468,7 +475,11 @@ class Fabric:
         # per-rank states (a loader's random states) are gathered here: only rank 0 writes the file
         unwrapped = gather_per_rank_states(_unwrap_all(state), self.all_gather, self.world_size)
         # collective: returns on every rank once the file is written, or raises rank 0's error on every rank
-        self._strategy.save_checkpoint(path, unwrapped, filter=filter)
+        # (with async_save: once the state is copied off; the write's outcome comes with the next save)
+        if async_save:
+            self._strategy.save_checkpoint(path, unwrapped, filter=filter, async_save=True)
+        else:  # strategies written before async saves keep working
+            self._strategy.save_checkpoint(path, unwrapped, filter=filter)
 
     def load(
         self,

@@ -103,7 +103,7 @@ def saved_on_two(tmp_path_factory) -> Path:
 def test_two_process_save_writes_a_folder_and_a_full_file(saved_on_two):
     folder = saved_on_two / "sharded"
     names = sorted(p.name for p in folder.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric-objects.pt"]
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric_state.pt"]
     assert not [p for p in saved_on_two.iterdir() if p.name.startswith(".fabric-")]  # nothing left behind
     reference = torch.load(saved_on_two / "reference-rank0.pt", weights_only=True)
     full = torch.load(saved_on_two / "full.pt", weights_only=True)  # plain torch.load, safely
@@ -213,3 +213,21 @@ def test_sigkill_mid_write_leaves_the_previous_checkpoint_loadable(tmp_path):
 @pytest.mark.timeout(300)
 def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_loadable(tmp_path):
     _kill_mid_write(tmp_path, "async")
+
+
+@pytest.mark.timeout(300)
+def test_fabric_fsdp_async_save_then_exact_resume_of_model_optimizer_and_loader(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS and not k.startswith("FABRIC_")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+         str(TESTS / "dcp_scripts" / "fabric_resume.py"), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric_state.pt"]
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["step"] == 3
+        for name, value in result["reference"].items():
+            assert torch.equal(result["resumed"][name], value), (rank, name)

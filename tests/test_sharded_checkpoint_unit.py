@@ -174,3 +174,41 @@ def test_async_save_error_surfaces_at_the_next_save(tmp_path):
     assert (tmp_path / "ok").is_dir()
     with pytest.raises(OSError, match="Cannot save the sharded checkpoint .*File exists"):
         save_sharded(tmp_path / "ok" / OBJECTS_FILE / "ckpt", {"model": model})
+
+
+def test_fabric_async_save_of_a_single_file(tmp_path):
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model, optimizer = model_and_optimizer(seed=1)
+    model, optimizer = fabric.setup(model, optimizer)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "step": 4}, async_save=True)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()  # after the call: not in the file
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(tmp_path / "ckpt.pt", state)  # waits for the background write
+    assert state["step"] == 4 and same(model.state_dict(), snapshot)
+
+
+EXIT_SCRIPT = """
+import sys, torch
+from fabric import Fabric
+fabric = Fabric(accelerator="cpu", devices=1)
+model = fabric.setup(torch.nn.Linear(2, 2))
+fabric.save(sys.argv[1], {"model": model, "hook": lambda: None}, async_save=True)
+print("loop goes on")
+"""
+
+
+def test_a_failed_background_save_is_reported_at_exit(tmp_path, subprocess_env):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(tmp_path / "ckpt.pt")],
+        env=subprocess_env, capture_output=True, text=True, timeout=120,
+    )
+    assert "loop goes on" in done.stdout
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert "background save of" in done.stderr and "ckpt.pt" in done.stderr
+    assert not (tmp_path / "ckpt.pt").exists()

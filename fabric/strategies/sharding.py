@@ -145,19 +145,25 @@ class ShardedStrategy(ProcessGroupStrategy):
     # ---- checkpoints (their folder and file formats live in fabric.plugins.io) -----------------------
 
     def save_checkpoint(
-        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None, filter: dict[str, Callable[[str, Any], bool]] | None = None
-    ) -> None:
-        """A folder in which every rank writes its shards, or with full checkpoints one file from rank 0."""
+        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None, async_save: bool = False,
+    ) -> None:  # fmt: skip
+        """A folder in which every rank writes its shards, or with full checkpoints one file from rank 0.
+
+        ``async_save``: see ``Fabric.save``; sharded checkpoints only (a full one is gathered to rank 0 first).
+        """
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint got storage_options={storage_options!r}; it accepts none")
         if self._full_checkpoints:
             from fabric.plugins.io.full_state import save_full
 
+            if async_save:
+                raise ValueError("save(..., async_save=True) needs state_dict_type='sharded'; got state_dict_type='full'")
             save_full(path, state, filter=filter)
         else:
             from fabric.plugins.io.sharded import save_sharded
 
-            save_sharded(path, state, filter=filter)
+            save_sharded(path, state, filter=filter, async_save=async_save)
 
     def load_checkpoint(
         self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None

@@ -187,6 +187,9 @@ class Strategy(ABC):
         self.accelerator.setup_device(self.root_device)
 
     def teardown(self) -> None:
+        from fabric.plugins.io.async_save import wait_for_pending_save
+
+        wait_for_pending_save()  # a background save finishes (or reports its error) before the job ends
         self.precision.teardown()
         if self.accelerator is not None:
             self.accelerator.teardown()
@@ -318,17 +321,26 @@ class Strategy(ABC):
         state: dict[str, Any],
         storage_options: Any | None = None,
         filter: StateFilter | None = None,
+        async_save: bool = False,
     ) -> None:
         """Turn modules/optimizers/stateful objects into state dicts and write the file from rank 0.
 
         Collective: call it on every rank. When rank 0 fails to write, every rank raises the same error
-        (the outcome is broadcast), so no rank waits for a file that will not come.
+        (the outcome is broadcast), so no rank waits for a file that will not come. With ``async_save``
+        rank 0 copies the tensors to CPU memory and writes in the background; a failure there is raised
+        by the next save or load (on every rank, through the same broadcast), teardown or exit.
         """
+        from fabric.plugins.io.async_save import save_in_background, wait_for_pending_save
+
         checkpoint = collect_states(self, state, filter)
         error: BaseException | None = None
         if self.is_global_zero:
             try:
-                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+                wait_for_pending_save()
+                if async_save:
+                    save_in_background(self.checkpoint_io, checkpoint, path, storage_options)
+                else:
+                    self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             except Exception as err:
                 error = err
         outcome = self.broadcast(_SaveOutcome.of(error), src=0)
@@ -347,6 +359,9 @@ class Strategy(ABC):
 
         Everything is checked before anything is changed, so a mismatch leaves every object as it was.
         """
+        from fabric.plugins.io.async_save import wait_for_pending_save
+
+        wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
         if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
             from fabric.plugins.io.sharded import load_sharded
 

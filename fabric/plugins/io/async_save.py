@@ -22,7 +22,7 @@ from typing import Any
 
 _pending: _BackgroundSave | None = None
 _failure: BaseException | None = None  # of a finished background save, not yet reported
-_group: Any = None
+_group: Any = None  # (the default group it was made beside, the background group)
 _exit_hook_registered = False
 
 
@@ -74,9 +74,9 @@ def background_group() -> Any:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _group is None:
-        _group = dist.new_group(backend="gloo")
-    return _group
+    if _group is None or _group[0] is not dist.group.WORLD:  # none yet, or made for a job that ended
+        _group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _group[1]
 
 
 def start_background_save(write: Callable[[], None], description: str) -> SaveHandle:
@@ -88,6 +88,20 @@ def start_background_save(write: Callable[[], None], description: str) -> SaveHa
         _exit_hook_registered = True
     _pending = _BackgroundSave(write, description)
     return _pending
+
+
+def save_in_background(checkpoint_io: Any, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> SaveHandle:
+    """A single-file save through ``checkpoint_io`` of a CPU copy of ``checkpoint``'s tensors, in the background.
+
+    Containers are copied with the tensors; other values are taken as they are at the call.
+    """
+    from lightning_utilities.core.apply_func import apply_to_collection
+    from torch import Tensor
+
+    staged = apply_to_collection(checkpoint, Tensor, lambda tensor: tensor.detach().to("cpu", copy=True))
+    return start_background_save(
+        lambda: checkpoint_io.save_checkpoint(staged, path, storage_options=storage_options), repr(str(path))
+    )
 
 
 def wait_for_pending_save() -> None:
