@@ -103,7 +103,7 @@ def saved_on_two(tmp_path_factory) -> Path:
 def test_two_process_save_writes_a_folder_and_a_full_file(saved_on_two):
     folder = saved_on_two / "sharded"
     names = sorted(p.name for p in folder.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric_state.pt"]
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric-objects.pt"]
     assert not [p for p in saved_on_two.iterdir() if p.name.startswith(".fabric-")]  # nothing left behind
     reference = torch.load(saved_on_two / "reference-rank0.pt", weights_only=True)
     full = torch.load(saved_on_two / "full.pt", weights_only=True)  # plain torch.load, safely
@@ -225,7 +225,7 @@ def test_fabric_fsdp_async_save_then_exact_resume_of_model_optimizer_and_loader(
         env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric_state.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric-objects.pt"]
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["step"] == 3

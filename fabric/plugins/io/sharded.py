@@ -1,7 +1,7 @@
 """Sharded checkpoints: a folder in which every rank writes its own shards, readable by any layout.
 
 The folder holds ``torch.distributed.checkpoint`` data files and index (tensors only) plus
-``fabric_state.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
+``fabric-objects.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
 entries that are neither modules nor optimizers, and where each tensor belongs (see
 ``state_layout``). It is written into a temporary folder and published whole (``atomic_folder``).
 Loading reshards to whatever layout the target objects have: 2 -> 4 processes, sharded -> a plain
@@ -31,7 +31,7 @@ from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
 from fabric.plugins.io.single_file import CheckpointLoadError, atomic_save, safe_load
 from fabric.plugins.io.state_layout import MODULE, OPTIMIZER, OTHER
 
-OBJECTS_FILE = "fabric_state.pt"
+OBJECTS_FILE = "fabric-objects.pt"
 FORMAT = "fabric-sharded-checkpoint"
 VERSION = 1
 
