@@ -6,7 +6,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.fabric-installed
 
-.PHONY: venv demo test horovod bench clean
+.PHONY: venv demo test check horovod bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -19,8 +19,13 @@ venv: $(STAMP)
 demo: venv
 	$(PYTHON) examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp
 
-## The test suite (Horovod tests run when Horovod is installed: see `make horovod`).
-test: venv
+## Lint (ruff) and type checks (mypy) of the package; configured in pyproject.toml.
+check: venv
+	$(VENV)/bin/ruff check fabric
+	$(VENV)/bin/mypy
+
+## The checks, then the test suite (Horovod tests run when Horovod is installed: see `make horovod`).
+test: check
 	$(PYTHON) -m pytest -q
 
 ## Build Horovod 0.28.1 for torch >= 2.1 (about 5 minutes once, cached after) into the venv.

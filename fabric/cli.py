@@ -37,7 +37,6 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import Any, NoReturn
 
 from fabric._core.devices import DevicesSyntaxError, parse_devices

@@ -6,9 +6,8 @@ wraps objects, prints on rank 0, seeds, and dispatches to callbacks and loggers.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, overload
@@ -21,14 +20,13 @@ from torch.optim import Optimizer
 
 from fabric.accelerators import Accelerator
 from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_argument
+from fabric.checkpoint.per_rank import gather_per_rank_states
+from fabric.checkpoint.state import check_filter
 from fabric.connector import Connector
-from fabric.plugins.precision import Precision
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import all_plain_cpu_tensors, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
 from fabric.utilities.compile import compile_again, split_compiled
-from fabric.utilities.rank_zero import rank_zero_only
-from fabric.checkpoint.per_rank import gather_per_rank_states
-from fabric.checkpoint.state import check_filter
+from fabric.utilities.rank_zero import set_rank_zero_rank
 from fabric.utilities.seed import add_worker_seeding
 from fabric.utilities.seed import seed_everything as _seed_everything
 from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, is_wrapped, unwrap
@@ -167,7 +165,7 @@ class Fabric:
         self._strategy.setup_environment()
         self._launched = True
         if self._strategy.world_size > 1:
-            rank_zero_only.rank = self._strategy.global_rank
+            set_rank_zero_rank(self._strategy.global_rank)
 
     def _check_launched(self, what: str) -> None:
         if self._launched or not self._strategy.requires_launch:
@@ -531,7 +529,8 @@ def _unwrap_all(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _in_interactive_session() -> bool:
-    import __main__
     import sys
+
+    import __main__
 
     return hasattr(sys, "ps1") or not hasattr(__main__, "__file__")

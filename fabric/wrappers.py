@@ -80,7 +80,7 @@ class FabricModule(Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # the hot path: ``self._forward_module`` would go through two ``__getattr__`` frames
-        forward_module = self._modules["_forward_module"]
+        forward_module: Any = self._modules["_forward_module"]
         if self._fast_forward:
             return forward_module(*args, **kwargs)
         precision = self._precision
@@ -154,9 +154,10 @@ class FabricOptimizer:
 
     _optimizer: Optimizer
     _strategy: Strategy
+    _after_step_hooks: list[Any]
 
     def __new__(cls, optimizer: Optimizer, strategy: Strategy, callbacks: list[Any] | None = None) -> FabricOptimizer:
-        wrapper = object.__new__(_optimizer_class(type(optimizer)))
+        wrapper: Any = object.__new__(_optimizer_class(type(optimizer)))
         wrapper.__dict__.update(_shared_attributes(optimizer))
         wrapper.__dict__["_optimizer"] = optimizer
         wrapper.__dict__["_strategy"] = strategy

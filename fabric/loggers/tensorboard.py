@@ -79,7 +79,7 @@ class TensorBoardLogger(FolderLogger):
     @property
     def experiment(self) -> Any:
         """The ``SummaryWriter`` (created on first use, on rank 0 only; None on the other ranks)."""
-        if self._writer is None and rank_zero_only.rank == 0:
+        if self._writer is None and rank_zero_only.rank == 0:  # type: ignore[attr-defined]
             os.makedirs(self.log_dir, exist_ok=True)
             self._writer = self._writer_class(log_dir=self.log_dir, **self._kwargs)
         return self._writer

@@ -24,7 +24,15 @@ _MODULES = {
     "TorchCheckpointIO": "fabric.plugins.io",
 }
 
-__all__ = sorted(_MODULES)
+__all__ = [
+    "CheckpointIO",
+    "ClusterEnvironment",
+    "DoublePrecision",
+    "HalfPrecision",
+    "MixedPrecision",
+    "Precision",
+    "TorchCheckpointIO",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,11 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from fabric._core.names import PRECISION_ALIASES, PRECISION_VALUES, normalize_precision
+# re-exported: the names live in the torch-free core, where `fabric run` reads them too
+from fabric._core.names import PRECISION_ALIASES as PRECISION_ALIASES
+from fabric._core.names import PRECISION_VALUES as PRECISION_VALUES
+from fabric._core.names import normalize_precision as normalize_precision
+
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:

@@ -152,7 +152,7 @@ def mixed_precision_policy(precision: Any) -> Any:
     """FSDP2's dtypes for a precision plugin: gather and reduce in the low dtype of "16-mixed"/"bf16-mixed"."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(getattr(precision, "precision", None))
+    dtype = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(str(getattr(precision, "precision", "")))
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype) if dtype is not None else None
 
 

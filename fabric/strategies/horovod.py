@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,7 +52,7 @@ from fabric.strategies.horovod_optimizer import (
 )
 from fabric.strategies.parallel import ParallelStrategy
 from fabric.strategies.strategy import REDUCE_OPS, BackwardSyncControl
-from fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from fabric.utilities.rank_zero import rank_zero_warn, set_rank_zero_rank
 
 _INSTALL_HINT = (
     "strategy='horovod' needs Horovod with its PyTorch extension, and it could not be imported ({reason}). "
@@ -115,7 +115,8 @@ class HorovodStrategy(ParallelStrategy):
         )
         self._backward_sync_control = _HorovodBackwardSyncControl(self)
         # every DistributedOptimizer made here: no_backward_sync and backward() adjust their bookkeeping
-        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        # (typed Any: they carry Horovod's attributes, _handles, synchronize(), ...)
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
         # id(parameter) -> name, from the modules set up so far (Horovod names each gradient all-reduce)
         self._parameter_names: dict[int, str] = {}
         self._num_modules = 0
@@ -137,7 +138,7 @@ class HorovodStrategy(ParallelStrategy):
         # output follows horovodrun's variable until setup_environment() asks Horovod itself
         rank = os.environ.get("HOROVOD_RANK", "")
         if rank.isdigit():
-            rank_zero_only.rank = int(rank)
+            set_rank_zero_rank(int(rank))
 
     @property
     @override
@@ -178,7 +179,7 @@ class HorovodStrategy(ParallelStrategy):
                 f" `horovodrun -np {len(self.parallel_devices)} python ...`"
             )
         super().setup_environment()
-        rank_zero_only.rank = hvd.rank()
+        set_rank_zero_rank(hvd.rank())
 
     # ---- modules and optimizers -------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class HorovodStrategy(ParallelStrategy):
         super().backward(tensor, module, *args, **kwargs)
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if not is_distributed(optimizer):
             return super().optimizer_step(optimizer, **kwargs)
         closure = kwargs.pop("closure", None)

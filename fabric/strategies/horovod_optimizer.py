@@ -40,7 +40,7 @@ def _shared_flag(name: str) -> property:
     return property(get, set)
 
 
-def _safe_class(horovod_class: type, user_class: type, hvd_synchronize: Callable[[Any], Any]) -> type:
+def _safe_class(horovod_class: type, user_class: type[Any], hvd_synchronize: Callable[[Any], Any]) -> type:
     """One class per user optimizer class, with Horovod's behaviour and none of its ``super`` traps."""
     if user_class in _SAFE_CLASSES:
         return _SAFE_CLASSES[user_class]

@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from fabric._core.env import global_rank
 from fabric.strategies.strategy import REDUCE_OPS, ConnectorChoices, Strategy
-from fabric.utilities.rank_zero import rank_zero_only
+from fabric.utilities.rank_zero import set_rank_zero_rank
 
 
 class ParallelStrategy(Strategy, ABC):
@@ -53,7 +53,7 @@ class ParallelStrategy(Strategy, ABC):
             return
         self.cluster_environment.set_global_rank(global_rank(self.node_rank, self.num_processes, self.local_rank))
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
+        set_rank_zero_rank(self.global_rank)
 
     @property
     @override

@@ -12,11 +12,11 @@ from __future__ import annotations
 import warnings
 import weakref
 from abc import abstractmethod
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,7 +112,7 @@ class ShardedStrategy(ProcessGroupStrategy):
                     " setup_optimizers(optimizer)"
                 )
         module = self.setup_module(module)
-        sharded = dict(module.named_parameters(remove_duplicate=False))
+        sharded: dict[str, Tensor] = dict(module.named_parameters(remove_duplicate=False))
         for optimizer in optimizers:
             repoint_optimizer(optimizer, names, sharded, type(self).__name__)
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers]
@@ -287,7 +287,7 @@ def move_plain_tensors(module: Module, device: torch.device) -> None:
     """Move parameters and buffers that no sharding placed (plain tensors) to ``device``."""
     if any(not isinstance(t, DTensor) and t.device != device for t in chain(module.parameters(), module.buffers())):
         for submodule in module.modules():
-            for name, tensor in list(submodule._parameters.items()) + list(submodule._buffers.items()):
+            for tensor in list(submodule._parameters.values()) + list(submodule._buffers.values()):
                 if tensor is not None and not isinstance(tensor, DTensor) and tensor.device != device:
                     tensor.data = tensor.data.to(device)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from fabric.utilities.distributed import DistributedSamplerWrapper
 from fabric.utilities.rank_zero import rank_zero_warn
@@ -39,7 +39,7 @@ def loader_arguments(dataloader: DataLoader) -> dict[str, Any]:
         kwargs["persistent_workers"] = False
     return kwargs
 
-def distributed_sampler_for(sampler: Sampler | None, num_replicas: int, rank: int) -> DistributedSampler:
+def distributed_sampler_for(sampler: Any, num_replicas: int, rank: int) -> DistributedSampler:
     """The distributed replacement of a loader's sampler, seeded alike on every rank."""
     from fabric.utilities.seed import global_seed_from_environment
 

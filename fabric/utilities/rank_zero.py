@@ -20,7 +20,12 @@ log = logging.getLogger("fabric")
 
 # the launchers and external launchers (torchrun, SLURM, MPI, LSF, Horovod) exported the global rank;
 # the cluster environments know where
-rank_zero_only.rank = getattr(rank_zero_only, "rank", rank_from_environment())
+def set_rank_zero_rank(rank: int) -> None:
+    """Tell the rank-zero helpers which global rank this process has."""
+    rank_zero_only.rank = rank  # type: ignore[attr-defined]  # lightning-utilities reads it but does not declare it
+
+
+set_rank_zero_rank(getattr(rank_zero_only, "rank", rank_from_environment()))
 
 
 class LightningDeprecationWarning(DeprecationWarning):
@@ -75,4 +80,5 @@ __all__ = [
     "rank_zero_info",
     "rank_zero_only",
     "rank_zero_warn",
+    "set_rank_zero_rank",
 ]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, check_world_size, env_int
-from fabric.plugins.environments.base import env_port, port_from_job_id
+from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, check_world_size, env_int, env_port, port_from_job_id
 
 __all__ = ["LSFEnvironment"]
 

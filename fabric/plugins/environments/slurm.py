@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
-from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, env_int, env_port, env_str
-from fabric.plugins.environments.base import port_from_job_id
+from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, env_int, env_port, env_str, port_from_job_id
 from fabric.plugins.environments.slurm_nodelist import parse_slurm_nodelist
 
 __all__ = ["SLURMEnvironment"]

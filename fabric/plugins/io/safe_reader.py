@@ -69,7 +69,7 @@ def read_index(folder: Any, load_id: str | None = None) -> Metadata:
         raise CheckpointLoadError(f"Checkpoint index {str(path)!r} is corrupt: {type(err).__name__}: {err}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointLoadError(f"Checkpoint index {str(path)!r} holds a {type(metadata).__name__}, not an index")
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    metadata.storage_meta.load_id = load_id
+    storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+    storage_meta.load_id = load_id
+    metadata.storage_meta = storage_meta
     return metadata

@@ -11,7 +11,6 @@ nested state with tensors replaced by ``None``, plus each flat key's path into i
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +20,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 # the checkpoint-state protocol every layout follows (re-exported for the sharded and full layouts)
-from fabric.checkpoint.state import check_entries_present, check_stateful_entry, filtered
-from fabric.checkpoint.stateful import is_stateful
+from fabric.checkpoint.state import check_entries_present as check_entries_present
+from fabric.checkpoint.state import check_stateful_entry as check_stateful_entry
+from fabric.checkpoint.state import filtered
+from fabric.checkpoint.stateful import is_stateful as is_stateful
 
 MODULE = "module"
 OPTIMIZER = "optimizer"
@@ -170,7 +171,7 @@ def optimizer_named(state_dict: dict[str, Any], target: dict[str, Any], key: str
         raise ValueError(
             f"state[{key!r}]: the checkpoint's optimizer has parameter groups of sizes {sizes}, this one {target_sizes}"
         )
-    number_to_name = {}
+    number_to_name: dict[Any, Any] = {}
     for group, target_group in zip(groups, target["param_groups"]):
         number_to_name.update(zip(group["params"], target_group["params"]))
     state = {number_to_name[number]: value for number, value in state_dict["state"].items() if number in number_to_name}

@@ -237,10 +237,7 @@ def diagnose(
     asked = {rank: pid for rank, pid in live.items() if rank not in failures and rank != own_rank}
     stacks = _collect_stacks(job_dir, asked, wait)
     for rank in sorted(set(live) - set(failures)):
-        if rank == own_rank:
-            frames = _own_main_frames()
-        else:
-            frames = stacks.get(rank)
+        frames = _own_main_frames() if rank == own_rank else stacks.get(rank)
         if frames is None:
             reports.append(_RankReport(rank, "silent", pid=live[rank]))
         else:

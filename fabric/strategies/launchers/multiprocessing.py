@@ -104,7 +104,7 @@ class MultiprocessingLauncher(Launcher):
 
         import torch.multiprocessing as tmp  # lazily: importing torch is expensive
 
-        context = tmp.get_context(self._start_method)
+        context: Any = tmp.get_context(self._start_method)
         num_processes = int(self._strategy.num_processes)
         launcher_pid = os.getpid()
         first = global_rank(node_rank, num_processes, 0)
@@ -134,7 +134,7 @@ class MultiprocessingLauncher(Launcher):
         if result.failure is not None:
             failure = result.failure
             raise RankFailedError(failure.rank, failure.exitcode, failure.traceback, diagnosis=result.diagnosis)
-        payload = supervisor.rank(first).result
+        payload = supervisor.rank(first).result  # type: ignore[attr-defined]  # a WorkerRank: it carries the result
         return None if payload is None else _deserialize(payload)
 
     def kill(self, signum: int = signal.SIGTERM) -> None:
@@ -389,7 +389,7 @@ class WorkerRank:
             self.proc.join(timeout=0)
 
 
-def _raise_on_sigterm() -> Callable[[], None]:
+def _raise_on_sigterm() -> Callable[[], object]:
     """While the job runs, turn SIGTERM into SystemExit(143) so cleanup code runs.
 
     Only done from the main thread and only if nobody handles SIGTERM already; returns a function
