@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+TESTS = Path(__file__).resolve().parent
+REPO_ROOT = TESTS.parent
+# this checkout's `fabric`, and `support` (tests/support/) for every test module in any folder below; spawned
+# workers inherit sys.path, job scripts get both through PYTHONPATH (support.environment.clean_env)
+for _path in (str(TESTS), str(REPO_ROOT)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-import fabric  # noqa: E402
+from support.environment import clean_env  # noqa: E402
 
 # fabric prints its INFO records itself when the root logger has no handler (as at import here); in the
 # tests they go through the root logger instead, where pytest's caplog sees them
@@ -40,8 +44,4 @@ def clean_fabric_env(monkeypatch: pytest.MonkeyPatch):
 @pytest.fixture
 def subprocess_env() -> dict[str, str]:
     """Environment for a child Python that must import this checkout's ``fabric`` from any folder."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith("FABRIC_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "1")  # two cores are shared with other test runs
-    return env
+    return clean_env(OMP_NUM_THREADS="1")  # two cores are shared with other test runs

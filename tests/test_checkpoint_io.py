@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import importlib.util
 import math
 import os
 import random
@@ -21,17 +19,10 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load
+from support.loading import load_script, script_path
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
-HELPERS = Path(__file__).resolve().parent / "helpers"
-
-
-def _load_helper(name: str):
-    spec = importlib.util.spec_from_file_location(f"_fabric_test_{name}", HELPERS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def cpu_fabric() -> Fabric:
@@ -393,14 +384,14 @@ def test_stale_temp_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_pat
 @pytest.mark.timeout(120)
 def test_sigkill_in_the_middle_of_saves_never_tears_the_checkpoint(tmp_path, subprocess_env):
     """Writers are killed with SIGKILL at random moments while saving; the file stays whole every time."""
-    helper = _load_helper("save_forker")
+    helper = load_script("checkpoint", "save_forker")
     numel = 2_000_000  # 8 MB of data: a save takes long enough to be hit mid-write
     path = tmp_path / "ckpt.pt"
     atomic_save(helper.payload(0, numel), path)
     last_version = helper.check_payload(safe_load(path), numel)
     rng = random.Random(os.getpid())
     forker = subprocess.Popen(
-        [sys.executable, str(HELPERS / "save_forker.py")],
+        [sys.executable, str(script_path("checkpoint", "save_forker.py"))],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

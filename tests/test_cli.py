@@ -18,19 +18,11 @@ from pathlib import Path
 import pytest
 
 from fabric import cli
-from multinode_scripts.support import (
-    PYTHON,
-    REPO,
-    SCRIPTS,
-    fabric_run,
-    read_ranks,
-    run,
-    start,
-    wait_dead,
-    wait_for_files,
-)
+from support import PYTHON
+from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
+from support.loading import script_path
 
-RANKS_ENV = SCRIPTS / "ranks_env.py"
+RANKS_ENV = script_path("multinode", "ranks_env.py")
 LINUX = sys.platform.startswith("linux")
 
 

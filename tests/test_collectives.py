@@ -9,8 +9,6 @@ reduction on both halves. (No shrinking across processes: a failure names the ex
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 from typing import Any
 
@@ -20,13 +18,9 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # spawn workers import ddp_scripts.checks by name
-
-from ddp_scripts import checks  # noqa: E402
-from ddp_scripts.harness import isolate  # noqa: E402
-from fabric import Fabric  # noqa: E402
+from support.scripts.ddp import checks
+from support.environment import isolate
+from fabric import Fabric
 
 NUM_EXAMPLES = 60
 

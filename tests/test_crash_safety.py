@@ -7,7 +7,6 @@ file; with ``torch.save`` to the final path, killed the same way, torn files are
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 import random
@@ -24,20 +23,13 @@ from hypothesis import strategies as st
 
 from fabric import Fabric
 from fabric.plugins.io import CheckpointLoadError, atomic_save, safe_load
+from support.loading import load_script, script_path
 
-SCRIPTS = Path(__file__).resolve().parent / "resilience_scripts"
 NUMEL = 4 << 20  # 16 MB of float32 per save: long enough that a random kill lands mid-write
 KILLED_SAVES = 12
 
 
-def _load_writer_module():
-    spec = importlib.util.spec_from_file_location("_fabric_save_writer", SCRIPTS / "save_writer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-writer_module = _load_writer_module()
+writer_module = load_script("resilience", "save_writer")
 
 
 def in_flight_temp_files(folder: Path) -> list[Path]:
@@ -57,7 +49,7 @@ class Writers:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "save_writer.py")],
+            [sys.executable, str(script_path("resilience", "save_writer.py"))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
         assert self.proc.stdout.readline().strip() == "ready"

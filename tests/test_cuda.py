@@ -12,16 +12,16 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from fabric import Fabric
+from support import REPO
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def _model() -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """DDPStrategy: unit tests, then real 2-process jobs (gloo on CPU) for the popen and the spawn start methods.
 
-The jobs run the checks of ``ddp_scripts/checks.py`` in both ranks and hand back what each rank saw;
+The jobs run the checks of ``support/scripts/ddp/checks.py`` in both ranks and hand back what each rank saw;
 one job per start method serves many tests here (starting processes is the expensive part).
 """
 
@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,16 +18,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # spawn workers import ddp_scripts.checks by name
-
-from ddp_scripts import checks  # noqa: E402
-from ddp_scripts.harness import SCRIPTS, isolate, job_environment, popen_results  # noqa: E402
-from fabric import Fabric  # noqa: E402
-from fabric.plugins.environments import LightningEnvironment  # noqa: E402
-from fabric.strategies import STRATEGY_REGISTRY, DDPStrategy  # noqa: E402
-from fabric.strategies.launchers import MultiprocessingLauncher, RankFailedError, SubprocessScriptLauncher  # noqa: E402
+from support.scripts.ddp import checks
+from support.environment import isolate, job_environment
+from support.scripts.ddp.harness import SCRIPTS, popen_results
+from fabric import Fabric
+from fabric.plugins.environments import LightningEnvironment
+from fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from fabric.strategies.launchers import MultiprocessingLauncher, RankFailedError, SubprocessScriptLauncher
 
 JOB_TIMEOUT = 120
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from multinode_scripts.support import PYTHON, REPO, fabric_run, run
+from support import PYTHON, REPO
+from support.processes import fabric_run, run
 
 EXAMPLES = REPO / "examples" / "digits"
 RAW = EXAMPLES / "raw_pytorch.py"

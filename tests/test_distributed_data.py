@@ -6,21 +6,15 @@ shared with ``test_ddp.py``): each rank recorded the items its loaders yielded.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset, WeightedRandomSampler
 
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # spawn workers import ddp_scripts.checks by name
-
-from ddp_scripts.checks import Reversed  # noqa: E402
-from ddp_scripts.harness import popen_results  # noqa: E402
-from fabric.utilities.data import DistributedSamplerWrapper, shard_dataloader  # noqa: E402
-from fabric.wrappers import FabricDataLoader  # noqa: E402
+from support.scripts.ddp.checks import Reversed
+from support.scripts.ddp.harness import popen_results
+from fabric.utilities.data import DistributedSamplerWrapper, shard_dataloader
+from fabric.wrappers import FabricDataLoader
 
 JOB_TIMEOUT = 120
 

@@ -15,17 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, SequentialSampler, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # spawn workers import ddp_scripts.dropin_checks by name
-
-from ddp_scripts import dropin_checks  # noqa: E402
-from ddp_scripts.harness import isolate  # noqa: E402
-from fabric import Fabric  # noqa: E402
-from fabric.strategies import DataParallelStrategy  # noqa: E402
-from fabric.wrappers import FabricModule, is_wrapped, unwrap  # noqa: E402
+from support.scripts.ddp import dropin_checks
+from support.environment import isolate, job_environment
+from support.loading import script_path
+from fabric import Fabric
+from fabric.strategies import DataParallelStrategy
+from fabric.wrappers import is_wrapped, unwrap
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
@@ -435,7 +432,7 @@ def test_a_lightning_style_script_runs_on_one_process(tmp_path, subprocess_env):
     import json
     import subprocess
 
-    script = TESTS / "dropin_scripts" / "lightning_style.py"
+    script = script_path("dropin", "lightning_style.py")
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path)], env=subprocess_env, capture_output=True, text=True, timeout=200
     )
@@ -473,13 +470,11 @@ def test_on_a_gpu_devices_inputs_and_batches():
 
 
 def run_two_rank_script(name: str, outdir: Path) -> tuple[list[dict], str]:
-    """Run ``dropin_scripts/<name>`` as a 2-process popen job; return each rank's JSON report and stderr."""
+    """Run ``support/scripts/dropin/<name>`` as a 2-process popen job; return each rank's JSON report and stderr."""
     import json
     import subprocess
 
-    from ddp_scripts.harness import job_environment
-
-    script = TESTS / "dropin_scripts" / name
+    script = script_path("dropin", name)
     result = subprocess.run(
         [sys.executable, str(script), str(outdir)], env=job_environment(), cwd=outdir, capture_output=True, text=True, timeout=150
     )

@@ -12,11 +12,13 @@ import sys
 import textwrap
 import threading
 import types
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from support import REPO
+from support.loading import script_path
 
 from fabric.plugins import environments as envs
 from fabric.plugins.environments import (
@@ -33,7 +35,7 @@ from fabric.plugins.environments import (
     parse_slurm_nodelist,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = REPO
 
 # Every variable any environment looks at; cleared before each test so the developer's shell can't leak in.
 RELEVANT_VARS = (
@@ -73,7 +75,7 @@ SLURM = dict(
     SLURM_NODELIST="gpu[007-008]", SLURM_JOB_ID="123456", SLURM_NTASKS_PER_NODE="4",
 )  # fmt: skip
 LSF = dict(
-    LSB_JOBID="4321", LSB_DJOB_RANKFILE=str(REPO_ROOT / "tests" / "helpers" / "lsf_rankfile.txt"),
+    LSB_JOBID="4321", LSB_DJOB_RANKFILE=str(script_path("environments", "lsf_rankfile.txt")),
     JSM_NAMESPACE_LOCAL_RANK="1", JSM_NAMESPACE_SIZE="4",
     JSM_NAMESPACE_RANK="3",
 )  # fmt: skip

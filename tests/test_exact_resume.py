@@ -1,6 +1,6 @@
 """A run stopped mid-epoch and resumed from a checkpoint continues bit for bit.
 
-The main test runs a real 2-process DDP job (``resilience_scripts/resume_job.py``) three times: once
+The main test runs a real 2-process DDP job (``support/scripts/resilience/resume_job.py``) three times: once
 uninterrupted, once stopped after 11 of 16 steps (mid-epoch 1), and once resumed from that
 checkpoint in new processes. The resumed run must end with parameters ``torch.equal`` to the
 uninterrupted run's, on every rank, having trained on exactly the remaining samples. The other tests
@@ -9,9 +9,7 @@ check the pieces in one process.
 
 from __future__ import annotations
 
-import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,28 +22,18 @@ from torch.utils.data import DataLoader, Dataset
 
 from fabric import Fabric
 from fabric.checkpoint import PER_RANK_KEY, capture_random_state, restore_random_state
+from support.environment import job_environment
+from support.loading import script_path
 
-TESTS = Path(__file__).resolve().parent
-SCRIPT = TESTS / "resilience_scripts" / "resume_job.py"
-REPO = TESTS.parent
-JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+SCRIPT = script_path("resilience", "resume_job.py")
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(outdir: Path, *args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS and not k.startswith("FABRIC_")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
-    env["MASTER_PORT"] = str(_free_port())
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), str(outdir), *args],
-        cwd=outdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=outdir, env=job_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 

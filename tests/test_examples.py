@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from support import REPO
+
+EXAMPLES = REPO / "examples"
 SHORT = ["--epochs", "3", "--samples", "512", "--seed", "7"]
 _EPOCH = re.compile(r"^epoch (\d+) loss (\S+)$", re.MULTILINE)
 _FINAL = re.compile(r"^final loss \S+ \(exact (\S+)\)$", re.MULTILINE)

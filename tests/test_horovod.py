@@ -1,6 +1,6 @@
 """HorovodStrategy in real jobs: `horovodrun --gloo -np 2 -H localhost:2` on the CPU.
 
-Each job is a script in ``horovod_scripts/`` that writes what it computed to a folder; the tests here
+Each job is a script in ``support/scripts/horovod/`` that writes what it computed to a folder; the tests here
 recompute the expected values with NumPy. Jobs are grouped (one horovodrun start-up costs seconds)
 and each runs once per module through a fixture. Skipped only when Horovod is not installed;
 `make horovod` builds it, and CI does.
@@ -23,11 +23,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from support import REPO
+from support.environment import clean_env
+from support.loading import script_path
+
 pytest.importorskip("horovod", reason="Horovod is not installed; `make horovod` (scripts/build_horovod.sh) builds it")
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-SCRIPTS = TESTS / "horovod_scripts"
+ROOT = REPO
+SCRIPTS = script_path("horovod", "training.py").parent
 EXAMPLE = ROOT / "examples" / "horovod_train.py"
 JOB_TIMEOUT = 90  # seconds for one job; each test's own timeout is larger so this message wins
 
@@ -42,10 +45,7 @@ def _horovodrun() -> str:
 def start(command: list[str]) -> tuple[subprocess.Popen[str], float]:
     """Start ``command`` from the repository root, in its own process group."""
     # no FABRIC_* variable of the caller (e.g. `fabric run` options) may change the jobs' Fabric(...)
-    env = {name: value for name, value in os.environ.items() if not name.startswith("FABRIC_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"  # two ranks share the CPU cores
+    env = clean_env(OMP_NUM_THREADS="1")  # two ranks share the CPU cores
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

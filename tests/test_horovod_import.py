@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import REPO
+
+ROOT = REPO
 
 
 def python(code: str, extra_path: str | None = None) -> subprocess.CompletedProcess[str]:

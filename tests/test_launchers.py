@@ -1,6 +1,6 @@
 """Launchers start real processes here: every test is about what actually happens to them.
 
-The scripts in ``launcher_scripts/`` run a small job with a stand-in cluster
+The scripts in ``support/scripts/launchers/`` run a small job with a stand-in cluster
 environment/strategy. Each rank writes its pid (and its grandchild's pid) to a JSON
 file so the tests can check that nothing of the job survives a failure, and the
 failing rank writes a timestamp so the tests can check how fast the job ended.
@@ -22,12 +22,6 @@ import pytest
 if not sys.platform.startswith("linux"):
     pytest.skip("the launcher process tests inspect /proc", allow_module_level=True)
 
-TESTS = Path(__file__).resolve().parent
-SCRIPTS = TESTS / "launcher_scripts"
-REPO = TESTS.parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))  # so spawn workers can import launcher_scripts.mp_funcs
-
 from fabric.strategies.launchers import (  # noqa: E402
     Launcher,
     MultiprocessingLauncher,
@@ -36,34 +30,25 @@ from fabric.strategies.launchers import (  # noqa: E402
 )
 from fabric.strategies.launchers.rank_side import label_lines  # noqa: E402
 from fabric.strategies.launchers.supervisor import describe_exit  # noqa: E402
-from launcher_scripts.standin import StandInEnvironment, StandInStrategy  # noqa: E402
+from support import REPO, TESTS  # noqa: E402
+from support.environment import clean_env, is_job_variable  # noqa: E402
+from support.loading import script_path  # noqa: E402
+from support.processes import alive  # noqa: E402
+from support.scripts.launchers.standin import StandInEnvironment, StandInStrategy  # noqa: E402
 
 # The promise under test: after any failure the whole job is gone within this many seconds.
 FAIL_FAST_S = 5.0
-_JOB_VARS = (
-    "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-    "FABRIC_PARENT_PID", "FABRIC_STATUS_FD", "WORKER_SETUP_IDX",
-)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _wait_all_dead(pids: list[int], timeout: float) -> float:
     """Time (time.time()) at which every pid was seen dead; fails after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
+        running = [p for p in pids if alive(p)]
+        if not running:
             return time.time()
         if time.monotonic() > deadline:
-            pytest.fail(f"processes still alive: {alive}")
+            pytest.fail(f"processes still alive: {running}")
         time.sleep(0.02)
 
 
@@ -125,14 +110,12 @@ def run_job(tmp_path):
     def start(script: str, *args: str, module: bool = False) -> Job:
         outdir = tmp_path / f"job{len(jobs)}"
         outdir.mkdir()
-        env = {k: v for k, v in os.environ.items() if k not in _JOB_VARS}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        env["PYTHONUNBUFFERED"] = "1"
+        env = clean_env()
         if module:
-            cmd = [sys.executable, "-m", f"launcher_scripts.{script}"]
+            cmd = [sys.executable, "-m", f"support.scripts.launchers.{script}"]
             cwd = TESTS
         else:
-            cmd = [sys.executable, str(SCRIPTS / f"{script}.py")]
+            cmd = [sys.executable, str(script_path("launchers", f"{script}.py"))]
             cwd = REPO
         with open(outdir / "stdout.txt", "wb") as out, open(outdir / "stderr.txt", "wb") as err:
             proc = subprocess.Popen(
@@ -161,8 +144,8 @@ def run_job(tmp_path):
 @pytest.fixture
 def clean_environ():
     saved = dict(os.environ)
-    for key in _JOB_VARS:
-        os.environ.pop(key, None)
+    for key in [key for key in os.environ if is_job_variable(key)]:
+        del os.environ[key]
     yield
     os.environ.clear()
     os.environ.update(saved)
@@ -219,7 +202,7 @@ def test_popen_reruns_python_dash_m(run_job):
     job = run_job("popen_job", "--nprocs", "2", module=True)
     assert job.wait() == 0, job.stderr
     ranks = job.ranks()
-    assert ranks[0]["main_spec"] == ranks[1]["main_spec"] == "launcher_scripts.popen_job"
+    assert ranks[0]["main_spec"] == ranks[1]["main_spec"] == "support.scripts.launchers.popen_job"
     assert ranks[1]["cwd"] == str(TESTS)
 
 
@@ -354,7 +337,7 @@ def test_popen_child_side_does_not_start_processes(clean_environ, monkeypatch):
 @pytest.mark.timeout(60)
 def test_spawn_returns_tensors_and_nested_structures(clean_environ):
     import torch
-    from launcher_scripts import mp_funcs
+    from support.scripts.launchers import mp_funcs
 
     launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="spawn")
     assert not launcher.is_interactive_compatible
@@ -373,7 +356,7 @@ def test_spawn_returns_tensors_and_nested_structures(clean_environ):
 @pytest.mark.timeout(60)
 def test_fork_returns_a_cpu_tensor(clean_environ):
     import torch
-    from launcher_scripts import mp_funcs
+    from support.scripts.launchers import mp_funcs
 
     launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="fork")
     assert launcher.is_interactive_compatible
@@ -384,7 +367,7 @@ def test_fork_returns_a_cpu_tensor(clean_environ):
 
 @pytest.mark.timeout(60)
 def test_spawn_failure_raises_with_rank_and_traceback(clean_environ):
-    from launcher_scripts import mp_funcs
+    from support.scripts.launchers import mp_funcs
 
     launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="spawn")
     start = time.monotonic()
@@ -406,7 +389,7 @@ def test_spawn_failure_raises_with_rank_and_traceback(clean_environ):
 def test_multiprocessing_kill_from_another_thread(clean_environ):
     import threading
 
-    from launcher_scripts import mp_funcs
+    from support.scripts.launchers import mp_funcs
 
     launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="fork")
     timer = threading.Timer(1.0, launcher.kill)

@@ -20,7 +20,9 @@ from fabric import Fabric
 from fabric.loggers import CSVLogger, Logger, TensorBoardLogger
 from fabric.loggers.logger import DEFAULT_NAME
 from fabric.utilities.rank_zero import rank_zero_only
-from multinode_scripts.support import PYTHON, SCRIPTS, fabric_run, run
+from support import PYTHON
+from support.processes import fabric_run, run
+from support.loading import script_path
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -181,7 +183,7 @@ def test_loggers_write_nothing_on_other_ranks(tmp_path: Path, as_rank: Any) -> N
 @pytest.mark.timeout(60)
 def test_only_rank_zero_writes_in_a_two_process_job(tmp_path: Path) -> None:
     args = ["--tensorboard"] if HAS_TENSORBOARD else []
-    run(fabric_run("--accelerator", "cpu", "--devices", "2", SCRIPTS / "log_job.py", tmp_path, *args), timeout=55)
+    run(fabric_run("--accelerator", "cpu", "--devices", "2", script_path("multinode", "log_job.py"), tmp_path, *args), timeout=55)
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == ["version_0"]  # no version_1 from rank 1
     assert _rows(tmp_path / "csv" / "version_0" / "metrics.csv") == [
         {"step": "0", "who": "0", "value": "", "world": ""}, {"step": "1", "who": "", "value": "0.5", "world": "2"}]

@@ -24,19 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from multinode_scripts.support import (
-    PYTHON,
-    SCRIPTS,
-    clean_env,
-    fabric_run,
-    finish,
-    free_port,
-    read_ranks,
-    start,
-    wait_dead,
-)
+from support import PYTHON
+from support.environment import clean_env, free_port
+from support.processes import fabric_run, finish, read_ranks, start, wait_dead
+from support.loading import script_path
 
-JOB = SCRIPTS / "ddp_job.py"
+JOB = script_path("multinode", "ddp_job.py")
 LINUX = sys.platform.startswith("linux")
 STEPS, BATCH = 4, 4
 

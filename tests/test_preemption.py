@@ -1,7 +1,7 @@
 """Pre-emption: the cluster warns (SIGUSR1, SIGTERM), every rank stops at the same step, saves, exits
 cleanly; under SLURM the job is requeued and the requeued job resumes exactly.
 
-Real processes and real signals: a 2-rank job (``resilience_scripts/keep_going_job.py``) under a
+Real processes and real signals: a 2-rank job (``support/scripts/resilience/keep_going_job.py``) under a
 simulated ``srun`` (the SLURM variables each task gets, and a stand-in ``scontrol`` on PATH that
 records its arguments) or under Fabric's own launcher. The signal goes to ONE rank; the collective
 behind ``fabric.preempted`` must tell the other.
@@ -22,9 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from multinode_scripts.support import PYTHON, REPO, clean_env, finish, free_port, start
+from support import PYTHON
+from support.environment import clean_env, free_port
+from support.loading import script_path
+from support.processes import finish, start
 
-JOB = REPO / "tests" / "resilience_scripts" / "keep_going_job.py"
+JOB = script_path("resilience", "keep_going_job.py")
 TOTAL_STEPS = 16  # 2 epochs x 8 steps per rank (64 samples, batch 4, 2 ranks)
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")

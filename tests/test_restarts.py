@@ -2,7 +2,7 @@
 from its latest checkpoint and ends bit-identical to a run that was never interrupted, under
 ``fabric run --max-restarts`` and ``torchrun --max-restarts``.
 
-Real processes: ``resilience_scripts/keep_going_job.py`` (2 ranks, a checkpoint every 3 steps) whose
+Real processes: ``support/scripts/resilience/keep_going_job.py`` (2 ranks, a checkpoint every 3 steps) whose
 rank 1 kills itself with SIGKILL before step 8 in the first attempt. Under ``torchrun --max-restarts 1``
 (static and c10d rendezvous) the second attempt must form its process group (DDPStrategy rendezvouses
 under a store prefix of its own per attempt), load step 6 and finish.
@@ -17,10 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multinode_scripts.support import PYTHON, REPO, clean_env, fabric_run, finish, free_port, run, start
+from support import PYTHON
+from support.environment import clean_env, free_port
+from support.loading import script_path
+from support.processes import fabric_run, finish, run, start
 
-JOB = REPO / "tests" / "resilience_scripts" / "keep_going_job.py"
-ATTEMPT_RANK = REPO / "tests" / "resilience_scripts" / "elastic_attempt_rank.py"
+JOB = script_path("resilience", "keep_going_job.py")
+ATTEMPT_RANK = script_path("resilience", "elastic_attempt_rank.py")
 TOTAL_STEPS = 16
 DIE_AT = 7  # rank 1 dies before its 8th step: the last checkpoint is step 6
 

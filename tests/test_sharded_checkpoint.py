@@ -1,6 +1,6 @@
 """Sharded checkpoints with real processes: save on 2, load on 4 and on 1, full <-> sharded, consolidate.
 
-The jobs run ``dcp_scripts/job.py`` as N real processes on gloo (rank variables set as torchrun
+The jobs run ``support/scripts/dcp/job.py`` as N real processes on gloo (rank variables set as torchrun
 would), each with a timeout. One 2-process job saves; one 4-process job loads both the sharded folder
 and the full file and saves again from 4 processes; the single-process loads run in the test itself.
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,30 +19,15 @@ import torch
 from torch import nn
 
 from fabric.plugins.io.sharded import load_sharded
+from support.environment import clean_env, free_port, job_environment
+from support.loading import script_path
 
-TESTS = Path(__file__).resolve().parent
-JOB = TESTS / "dcp_scripts" / "job.py"
-REPO = TESTS.parent
-JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+JOB = script_path("dcp", "job.py")
 
 
 def start_job(world_size: int, script: Path, *args: str) -> list[subprocess.Popen]:
     """``world_size`` real rank processes of ``script`` on one gloo rendezvous."""
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS and not k.startswith("FABRIC_")}
-    env.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-        OMP_NUM_THREADS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    env = job_environment(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     return [
         subprocess.Popen(
             [sys.executable, str(script), *args],
@@ -152,8 +136,7 @@ def test_two_to_four_processes_sharded_and_full_then_back_to_one(saved_on_two, t
 @pytest.mark.timeout(300)
 def test_consolidate_command_writes_what_a_full_save_writes(saved_on_two, tmp_path):
     out = tmp_path / "one.pt"
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = clean_env()
     done = subprocess.run(
         [sys.executable, "-m", "fabric", "consolidate", str(saved_on_two / "sharded"), str(out)],
         env=env, capture_output=True, text=True, timeout=240,
@@ -179,7 +162,7 @@ def test_consolidate_command_writes_what_a_full_save_writes(saved_on_two, tmp_pa
 
 def _kill_mid_write(tmp_path: Path, *mode: str) -> None:
     """Start the saving job, SIGKILL its ranks while a save's shards are being written, check the result."""
-    procs = start_job(2, TESTS / "dcp_scripts" / "kill_target.py", str(tmp_path), *mode)
+    procs = start_job(2, script_path("dcp", "kill_target.py"), str(tmp_path), *mode)
     try:
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline:
@@ -217,11 +200,10 @@ def test_sigkill_during_an_async_write_leaves_the_previous_checkpoint_loadable(t
 
 @pytest.mark.timeout(300)
 def test_fabric_fsdp_async_save_then_exact_resume_of_model_optimizer_and_loader(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS and not k.startswith("FABRIC_")}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    env = clean_env(OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-         str(TESTS / "dcp_scripts" / "fabric_resume.py"), str(tmp_path)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+         str(script_path("dcp", "fabric_resume.py")), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,6 +1,6 @@
 """FSDPStrategy and ModelParallelStrategy: unit tests, then real torchrun jobs of 2 and 4 processes (gloo, CPU).
 
-The jobs (``sharding_scripts/train_job.py``) train the same tiny model sharded and in one process and
+The jobs (``support/scripts/sharding/train_job.py``) train the same tiny model sharded and in one process and
 record the differences; each job runs once per session and serves several tests.
 """
 
@@ -15,18 +15,16 @@ import pytest
 import torch
 from torch import nn
 
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+from support.environment import isolate, job_environment
+from support.loading import script_path
+from support.scripts.ddp.harness import JobFailed
+from fabric import Fabric
+from fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
+from fabric.strategies.fsdp import _selected, mixed_precision_policy
+from fabric.strategies.sharding import clip_grad_norm_over_shards
+from fabric.plugins.precision import precision_for
 
-from ddp_scripts.harness import JobFailed, isolate, job_environment  # noqa: E402
-from fabric import Fabric  # noqa: E402
-from fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy  # noqa: E402
-from fabric.strategies.fsdp import _selected, mixed_precision_policy  # noqa: E402
-from fabric.strategies.sharding import clip_grad_norm_over_shards  # noqa: E402
-from fabric.plugins.precision import precision_for  # noqa: E402
-
-SCRIPTS = TESTS / "sharding_scripts"
+SCRIPTS = script_path("sharding", "train_job.py").parent
 TOLERANCE = 1e-5
 _jobs: dict[int, Any] = {}
 
@@ -144,8 +142,8 @@ def test_clip_norm_refuses_nonfinite_gradients():
 @pytest.mark.timeout(240)
 def test_model_parallel_under_the_spawn_launcher(clean_env):
     """start_method="spawn": two workers run the function; rank 0's result comes back here."""
-    from sharding_scripts.model import parallelize
-    from sharding_scripts.train_job import spawned_check
+    from support.scripts.sharding.model import parallelize
+    from support.scripts.sharding.train_job import spawned_check
 
     strategy = ModelParallelStrategy(parallelize, start_method="spawn")
     result = Fabric(accelerator="cpu", devices=2, strategy=strategy).launch(spawned_check)
@@ -291,7 +289,7 @@ def test_sharded_and_full_checkpoints_resume_exactly_at_2(job2):
 @pytest.mark.timeout(480)
 def test_folder_of_shards_loads_into_a_plain_model_in_this_process(job2):
     from fabric.plugins.io.sharded import load_sharded
-    from sharding_scripts.model import make_net, max_difference, reference_run
+    from support.scripts.sharding.model import make_net, max_difference, reference_run
 
     model = make_net(seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)

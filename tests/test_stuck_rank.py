@@ -1,6 +1,6 @@
 """A rank that never joins a collective: the job ends within 15 s, naming the rank and where it was.
 
-``resilience_scripts/stuck.py`` runs a real 2-rank gloo job with ``DDPStrategy(timeout=10 s)`` in
+``support/scripts/resilience/stuck.py`` runs a real 2-rank gloo job with ``DDPStrategy(timeout=10 s)`` in
 which one rank sleeps (or spins in pure Python) instead of joining an all-reduce. The six jobs
 (popen and spawn; rank 1 or rank 0 stuck; with and without a launched function) run concurrently:
 each one mostly waits out its 10 s timeout, so together they cost about as much as one.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,17 @@ from pathlib import Path
 
 import pytest
 
+from support.environment import job_environment
+from support.loading import script_path
+from support.processes import alive
+
 if not sys.platform.startswith("linux"):
     pytest.skip("the stuck-rank tests inspect /proc", allow_module_level=True)
 
-TESTS = Path(__file__).resolve().parent
-SCRIPT = TESTS / "resilience_scripts" / "stuck.py"
-REPO = TESTS.parent
+SCRIPT = script_path("resilience", "stuck.py")
 
 TIMEOUT_S = 10.0  # the process group's timeout the script sets
 PROMISE_S = 15.0  # the job is over this long after the waiting rank entered the collective
-JOB_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 SCENARIOS = {
     "popen-rank1-sleeps": ["--start-method", "popen", "--stuck", "1", "--how", "sleep"],
@@ -40,25 +40,11 @@ SCENARIOS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _marked_line(marker: str) -> int:
     for number, line in enumerate(SCRIPT.read_text().splitlines(), start=1):
         if marker in line:
             return number
     raise AssertionError(f"no line marked {marker} in {SCRIPT}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -72,7 +58,7 @@ def _processes_mentioning(text: str) -> list[int]:
                 cmdline = f.read().decode(errors="replace")
         except OSError:
             continue
-        if text in cmdline and _alive(int(entry)):
+        if text in cmdline and alive(int(entry)):
             found.append(int(entry))
     return found
 
@@ -86,7 +72,7 @@ class StuckJob:
         return [int(p.read_text()) for p in self.outdir.glob("pid*") if p.read_text().strip()]
 
     def finished(self) -> bool:
-        if self.end is None and self.proc.poll() is not None and not any(_alive(p) for p in self.pids()):
+        if self.end is None and self.proc.poll() is not None and not any(alive(p) for p in self.pids()):
             self.end = time.time()
         return self.end is not None
 
@@ -98,10 +84,6 @@ class StuckJob:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     """Start every scenario at once; wait (at most 150 s) until each job is completely gone."""
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS and not k.startswith("FABRIC_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
     started: dict[str, StuckJob] = {}
     try:
         for name, args in SCENARIOS.items():
@@ -110,7 +92,7 @@ def jobs(tmp_path_factory):
                 proc = subprocess.Popen(
                     [sys.executable, str(SCRIPT), str(outdir), *args],
                     cwd=outdir,
-                    env={**env, "MASTER_PORT": str(_free_port())},
+                    env=job_environment(),
                     stdout=err,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -157,7 +139,7 @@ def test_stuck_rank_is_named_and_the_job_ends(jobs, name):
     assert job.stderr.count("did not arrive") == 1  # reported once, and only the stuck rank
 
     assert len(job.pids()) == 2
-    assert not [p for p in job.pids() if _alive(p)]
+    assert not [p for p in job.pids() if alive(p)]
     assert _processes_mentioning(str(job.outdir)) == [], "a process of the job survived"
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from fabric.plugins.io.sharded import load_sharded
-from multinode_scripts.support import PYTHON, REPO, run
+from support import PYTHON, REPO
+from support.processes import run
 
 EXAMPLE = REPO / "examples" / "transformer" / "train_fabric.py"
 

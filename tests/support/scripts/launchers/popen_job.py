@@ -1,6 +1,6 @@
 """A job started with SubprocessScriptLauncher: `python popen_job.py --outdir D ...`.
 
-Also runnable as `python -m launcher_scripts.popen_job` from the tests directory.
+Also runnable as `python -m support.scripts.launchers.popen_job` from the tests directory.
 """
 
 import signal

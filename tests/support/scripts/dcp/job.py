@@ -9,7 +9,6 @@ optimizer, and write what the loaded objects hold, gathered (``OUT/loaded-{NAME}
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 

@@ -66,7 +66,7 @@ def use_bare_fabric_package() -> None:
     import types
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "fabric"
+    root = Path(__file__).resolve().parents[4] / "fabric"
     for name, path in (("fabric", root), ("fabric.strategies", root / "strategies")):
         if name not in sys.modules:
             module = types.ModuleType(name)

@@ -1,39 +1,15 @@
-"""Helpers for tests that start real processes: a clean environment, free ports, waiting, reading."""
+"""Starting, waiting for and reading the processes of a test job; every wait has a deadline."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).resolve().parent
-PYTHON = sys.executable
-
-# Variables of an outer job or launcher that must not leak into the jobs a test starts.
-_JOB_PREFIXES = ("FABRIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "LSB_", "JSM_", "HOROVOD_")
-_JOB_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
-              "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "OMP_NUM_THREADS", "KUBERNETES_PORT")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """This process's environment without job variables, with the repository importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_PREFIXES) and k not in _JOB_NAMES}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+from support import PYTHON, REPO
+from support.environment import clean_env
 
 
 def fabric_run(*args: Any) -> list[str]:
@@ -76,6 +52,11 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
 
 
 def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone: it only waits to be reaped).
+
+    Read from /proc here rather than with ``fabric._core.processes.process_alive``: the tests judge
+    fabric's process handling, so they do not lean on it to see whether a process is gone.
+    """
     try:
         with open(f"/proc/{pid}/stat") as handle:
             state = handle.read().rsplit(")", 1)[1].split()[0]

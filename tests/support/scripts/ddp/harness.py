@@ -1,4 +1,4 @@
-"""Running the real 2-process jobs from the test process: clean environment, free port, hard timeouts.
+"""Running the real 2-process DDP jobs from the test process, with hard timeouts.
 
 A job's results are memoized per test session, so several test files can assert on one job without
 paying for its processes twice (each job costs seconds of torch imports).
@@ -6,8 +6,6 @@ paying for its processes twice (each job costs seconds of torch imports).
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,38 +13,11 @@ from typing import Any
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parents[1]
+from support.environment import job_environment
 
-# variables that would make a job think it already runs under some launcher
-JOB_VARIABLES = (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-    "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
-)
+SCRIPTS = Path(__file__).resolve().parent
 
 _memo: dict[str, Any] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def isolate(monkeypatch: Any) -> None:
-    """For a job started from the test process itself: no launcher or FABRIC_* variables, a free port."""
-    for name in [n for n in os.environ if n in JOB_VARIABLES or n.startswith("FABRIC_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-
-
-def job_environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES and not k.startswith("FABRIC_")}
-    env["MASTER_PORT"] = str(free_port())
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"  # two ranks on two cores: one thread each, as torchrun would set
-    return env
 
 
 class JobFailed(AssertionError):

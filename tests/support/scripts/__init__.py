@@ -1,0 +1,1 @@
+"""Job scripts of the tests, one folder per topic (each also importable as ``support.scripts.<topic>``)."""
