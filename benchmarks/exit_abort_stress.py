@@ -1,6 +1,6 @@
 """Stress test for aborts at interpreter exit: many small four-rank gloo jobs, counted by how they ended.
 
-Each job is the multi-node test's job (tests/multinode_scripts/ddp_job.py: collectives, a few DDP
+Each job is the multi-node test's job (tests/support/scripts/multinode/ddp_job.py: collectives, a few DDP
 steps, results written to JSON) started as two "nodes" of two ranks each with ``fabric run`` on
 loopback, exactly as tests/test_multinode.py does. A job counts as clean when both nodes exit 0 and
 all four result files exist. Anything else is listed with the end of its stderr; an exit status of
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-JOB = REPO / "tests" / "multinode_scripts" / "ddp_job.py"
+JOB = REPO / "tests" / "support" / "scripts" / "multinode" / "ddp_job.py"
 _JOB_PREFIXES = ("FABRIC_", "SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_")
 _JOB_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK",
               "GROUP_RANK")

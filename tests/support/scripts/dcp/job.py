@@ -1,4 +1,4 @@
-"""One rank of a sharded-checkpoint test job (started by tests/test_sharded_checkpoint.py).
+"""One rank of a sharded-checkpoint test job (started by tests/plugins/io/test_sharded_checkpoint.py).
 
 ``job.py OUT save``: train a tiny model under ``fully_shard`` for three AdamW steps, then write it
 sharded (``OUT/sharded``), full (``OUT/full.pt``) and, for comparison, as one process sees the whole

@@ -1,6 +1,6 @@
 """Every collective of HorovodStrategy on rank-dependent data; run under `horovodrun -np 2`.
 
-Writes ``rank<r>.json`` into the folder given as the first argument; tests/test_horovod.py checks the
+Writes ``rank<r>.json`` into the folder given as the first argument; tests/strategies/test_horovod.py checks the
 values against NumPy. Nothing is asserted here, so one run reports every result.
 """
 

@@ -1,7 +1,7 @@
 """Training through HorovodStrategy under `horovodrun -np 2`: set-up, gradients, accumulation, clipping,
 convergence and a checkpoint round trip.
 
-Writes ``rank<r>.json`` into the folder given as the first argument; tests/test_horovod.py recomputes
+Writes ``rank<r>.json`` into the folder given as the first argument; tests/strategies/test_horovod.py recomputes
 the expected gradients with NumPy from the data recorded here.
 """
 
