@@ -1,8 +1,15 @@
-"""Checkpoints: what the file holds, loading in place, refusing unsafe or broken files, atomic writes."""
+"""Checkpoints: what the file holds, loading in place, refusing unsafe or broken files, atomic writes.
+
+A checkpoint is always the old one or the new one, whole; loading never runs code or dumps a trace.
+The kill test is the contrast that promise rests on: writers are SIGKILLed at random moments while
+saving a 16 MB state in a loop. With ``fabric.save`` not one of 12 interrupted saves leaves a torn
+file; with ``torch.save`` to the final path, killed the same way, torn files are the rule.
+"""
 
 from __future__ import annotations
 
 import math
+import pickle
 import os
 import random
 import signal
@@ -20,9 +27,13 @@ from torch import nn
 from fabric import Fabric
 from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load
 from support.loading import load_script, script_path
+from support.processes import alive
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
+writer_module = load_script("checkpoint", "save_writer")
+NUMEL = 4 << 20  # 16 MB of float32 per save: long enough that a random kill lands mid-write
+KILLED_SAVES = 12
 
 
 def cpu_fabric() -> Fabric:
@@ -213,7 +224,8 @@ class CreatesMarker:
 def test_a_pickle_payload_is_refused_by_default(tmp_path):
     marker = tmp_path / "marker"
     path = tmp_path / "evil.pt"
-    torch.save({"model": {}, "payload": CreatesMarker(str(marker))}, path)
+    torch.save({"model": {"w": torch.ones(2)}, "payload": CreatesMarker(str(marker))}, path)
+    before = path.read_bytes()
     fabric = cpu_fabric()
     for call in (lambda: fabric.load(path), lambda: fabric.load(path, {"model": {}}), lambda: safe_load(path)):
         with pytest.raises(CheckpointLoadError) as info:
@@ -221,6 +233,8 @@ def test_a_pickle_payload_is_refused_by_default(tmp_path):
         assert not marker.exists(), "the payload ran"
         message = str(info.value)
         assert str(path) in message and "weights_only=False" in message and "posix.mkdir" in message
+        assert info.value.__cause__ is None and info.value.__suppress_context__  # no trace of torch's internals
+    assert path.read_bytes() == before
     # the opt-in really loads it (and so really runs it): the refusal above was not an accident
     fabric.load(path, weights_only=False)
     assert marker.is_dir()
@@ -233,17 +247,27 @@ def test_an_empty_file(tmp_path):
         cpu_fabric().load(path)
 
 
-@pytest.mark.parametrize("fraction", [0.01, 0.3, 0.6, 0.99])
-def test_a_truncated_file(tmp_path, fraction):
-    path = tmp_path / "whole.pt"
-    cpu_fabric().save(path, {"model": make_model(hidden=64), "step": 1})
-    data = path.read_bytes()
-    truncated = tmp_path / "truncated.pt"
-    truncated.write_bytes(data[: int(len(data) * fraction)])
-    with pytest.raises(CheckpointLoadError) as info:
-        cpu_fabric().load(truncated)
-    assert str(truncated) in str(info.value)
-    assert isinstance(info.value, RuntimeError)
+def _truncation_offsets(size: int) -> list[int]:
+    """Cuts in the zip header, in the pickle, inside tensor data, in the central directory, at the end."""
+    fixed = [1, 2, 4, 30, 64, 100, 200, 512, 1000, 4096]
+    spread = [size * k // 23 for k in range(1, 23)]
+    tail = [size - 1, size - 2, size - 22, size - 100, size - 1000]
+    return sorted({o for o in fixed + spread + tail if 0 < o < size})
+
+
+def test_truncated_checkpoints_give_an_error_naming_the_file(tmp_path):
+    whole = tmp_path / "whole.pt"
+    atomic_save({"model": {"w": torch.randn(256, 64), "b": torch.zeros(64)}, "step": 3, "note": "x"}, whole)
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.pt"
+    for offset in _truncation_offsets(len(data)):
+        cut.write_bytes(data[:offset])
+        for load in (safe_load, cpu_fabric().load):
+            with pytest.raises(CheckpointLoadError) as info:
+                load(cut)
+            assert str(cut) in str(info.value), offset
+            assert isinstance(info.value, RuntimeError)  # callers that caught torch's RuntimeError still do
+            assert info.value.__cause__ is None and info.value.__suppress_context__, offset
 
 
 @pytest.mark.parametrize("content", [b"not a checkpoint at all" * 50, bytes(range(256)) * 8, b"PK\x03\x04" + b"\0" * 200])
@@ -256,6 +280,38 @@ def test_a_corrupt_file(tmp_path, content):
     assert str(path) in message
     assert "corrupt" in message
     assert "pickled code" not in message  # garbage is not reported as an unsafe payload
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.one_of(st.binary(min_size=1, max_size=3000), st.binary(max_size=500).map(lambda b: b"PK\x03\x04" + b)))
+def test_random_garbage_gives_an_error_naming_the_file(tmp_path, garbage):
+    path = tmp_path / "garbage.pt"
+    path.write_bytes(garbage)
+    try:
+        safe_load(path)
+    except CheckpointLoadError as err:
+        assert str(path) in str(err)
+        assert err.__cause__ is None and err.__suppress_context__
+    # (an accidental valid pickle of plain data may load: that is not a failure)
+
+
+def test_damaged_bytes_inside_a_checkpoint_never_escape_as_raw_errors(tmp_path):
+    whole = tmp_path / "whole.pt"
+    atomic_save({"model": {"w": torch.randn(64, 8)}, "opt": {"state": {0: {"m": torch.ones(3)}}, "param_groups": [{"lr": 0.1}]}}, whole)
+    data = whole.read_bytes()
+    rng = random.Random(0)
+    damaged = tmp_path / "damaged.pt"
+    for _ in range(150):
+        corrupt = bytearray(data)
+        for _ in range(3):
+            corrupt[rng.randrange(len(corrupt))] ^= 1 << rng.randrange(8)
+        damaged.write_bytes(bytes(corrupt))
+        try:
+            safe_load(damaged)  # flips inside tensor data go unnoticed (torch keeps no checksum it checks)
+        except CheckpointLoadError as err:
+            assert str(damaged) in str(err)
+        except pickle.UnpicklingError as err:  # pragma: no cover - would be the bug
+            pytest.fail(f"raw unpickling error escaped: {err!r}")
 
 
 def test_paths_that_are_folders(tmp_path):
@@ -343,10 +399,16 @@ def test_round_trip_of_plain_objects(tmp_path, state):
 # ---- atomic writes ----------------------------------------------------------------------------------
 
 
-def test_no_temp_files_after_successful_saves(tmp_path):
-    for index in range(3):
-        atomic_save({"i": index}, tmp_path / "x.pt")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.pt"]
+def test_no_temp_file_after_saves_and_permissions_like_torch_save(tmp_path):
+    fabric = Fabric(accelerator="cpu", devices=1)
+    for step in range(3):
+        fabric.save(tmp_path / "a.pt", {"w": torch.randn(1000), "step": step})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt"]
+    torch.save({"w": 1}, tmp_path / "b.pt")
+    assert (tmp_path / "a.pt").stat().st_mode == (tmp_path / "b.pt").stat().st_mode  # umask, not 0600
+    os.chmod(tmp_path / "a.pt", 0o640)
+    fabric.save(tmp_path / "a.pt", {"step": 4})
+    assert (tmp_path / "a.pt").stat().st_mode & 0o777 == 0o640  # an overwrite keeps the mode
 
 
 def test_a_failing_save_keeps_the_old_file_and_leaves_no_temp(tmp_path):
@@ -364,83 +426,139 @@ def test_a_failing_save_keeps_the_old_file_and_leaves_no_temp(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_stale_temp_files_of_dead_writers_are_removed_and_live_ones_kept(tmp_path):
+def test_stale_temp_files_of_dead_writers_are_ignored_by_load_and_removed_by_the_next_save(tmp_path):
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, timeout=50
     )
     dead_pid = int(dead.stdout)
+    path = tmp_path / "x.pt"
+    atomic_save({"version": 1}, path)
     stale = tmp_path / f".fabric-tmp-x.pt.{dead_pid}.abc"
-    stale.write_bytes(b"half a checkpoint")
+    stale.write_bytes(b"PK\x03\x04 half a checkpoint")
     live = tmp_path / f".fabric-tmp-x.pt.{os.getpid()}.def"  # a save in progress in a live process
     live.write_bytes(b"being written")
-    other = tmp_path / f".fabric-tmp-y.pt.{dead_pid}.ghi"  # another file's temp: not ours to remove
-    other.write_bytes(b"")
-    atomic_save({"a": 1}, tmp_path / "x.pt")
+    others = [  # other files' temps: not ours to remove
+        tmp_path / f".fabric-tmp-y.pt.{dead_pid}.ghi",
+        tmp_path / f".fabric-tmp-x.pt.bak.{dead_pid}.0a1b2c3d",
+    ]
+    for other in others:
+        other.write_bytes(b"")
+    assert safe_load(path) == {"version": 1}
+    atomic_save({"version": 2}, path)
     assert not stale.exists()
-    assert live.exists() and other.exists()
-    assert safe_load(tmp_path / "x.pt") == {"a": 1}
+    assert live.exists() and all(other.exists() for other in others)
+    assert safe_load(path) == {"version": 2}
 
 
-@pytest.mark.timeout(120)
-def test_sigkill_in_the_middle_of_saves_never_tears_the_checkpoint(tmp_path, subprocess_env):
-    """Writers are killed with SIGKILL at random moments while saving; the file stays whole every time."""
-    helper = load_script("checkpoint", "save_forker")
-    numel = 2_000_000  # 8 MB of data: a save takes long enough to be hit mid-write
-    path = tmp_path / "ckpt.pt"
-    atomic_save(helper.payload(0, numel), path)
-    last_version = helper.check_payload(safe_load(path), numel)
-    rng = random.Random(os.getpid())
-    forker = subprocess.Popen(
-        [sys.executable, str(script_path("checkpoint", "save_forker.py"))],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=subprocess_env,
-    )
-    killed_mid_write = 0
+class Writers:
+    """The ``save_writer.py`` process: forks a writer per request."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script_path("checkpoint", "save_writer.py"))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def fork(self, mode: str, path: Path, first_version: int) -> int:
+        self.proc.stdin.write(f"fork {mode} {path} {first_version} {NUMEL}\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _kill(pid: int, deadline: float) -> None:
+    os.kill(pid, signal.SIGKILL)
+    while alive(pid):
+        assert time.monotonic() < deadline, "the killed writer did not go away"
+        time.sleep(0.001)
+
+
+def _wait_until(condition, deadline: float, what: str) -> None:
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
+def _kill_fabric_writers(writers: Writers, folder: Path, rng: random.Random) -> tuple[int, int]:
+    """Kill fabric.save writers until 12 kills landed mid-save; (mid-save kills, torn files)."""
+    path = folder / "ckpt.pt"
+    atomic_save(writer_module.payload(0, NUMEL), path)
+    last = 0
+    mid_save = torn = 0
     stale: list[Path] = []
+    for attempt in range(1, 41):
+        first = attempt * 1_000_000
+        pid = writers.fork("fabric", path, first)
+        deadline = time.monotonic() + 30
+        _wait_until(lambda: list(folder.glob(f".fabric-tmp-ckpt.pt.{pid}.*")), deadline, "the writer never began a save")
+        # the writer's first save cleared what the previous killed writer left behind
+        assert not any(old.exists() for old in stale), stale
+        time.sleep(rng.uniform(0.0, 0.15))
+        _kill(pid, deadline)
+        stale = temp_files(folder)
+        mid_save += bool(stale)
+        # a leftover temp file is ignored by load: the checkpoint is one whole version, old or new
+        try:
+            version = writer_module.version_of(safe_load(path), NUMEL)
+        except (CheckpointLoadError, AssertionError):
+            torn += 1
+            continue
+        assert version == last or first <= version < first + 1_000_000, (version, last)
+        last = version
+        if mid_save >= KILLED_SAVES:
+            break
+    return mid_save, torn
+
+
+def _kill_torch_writers(writers: Writers, folder: Path, rng: random.Random) -> tuple[int, int]:
+    """Kill plain torch.save writers the same way, 12 times; (kills, torn files)."""
+    path = folder / "ckpt.pt"
+    torch.save(writer_module.payload(0, NUMEL), path)
+    torn = 0
+    for attempt in range(1, KILLED_SAVES + 1):
+        before = os.stat(path).st_mtime_ns
+        pid = writers.fork("torch", path, attempt * 1_000_000)
+        deadline = time.monotonic() + 30
+        _wait_until(lambda: os.stat(path).st_mtime_ns != before, deadline, "the writer never began a save")
+        time.sleep(rng.uniform(0.0, 0.15))
+        _kill(pid, deadline)
+        try:
+            writer_module.version_of(safe_load(path), NUMEL)
+        except (CheckpointLoadError, AssertionError):
+            torn += 1
+            torch.save(writer_module.payload(0, NUMEL), path)  # start the next round from a whole file
+    return KILLED_SAVES, torn
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_mid_save_tears_torch_save_but_never_fabric_save(tmp_path, subprocess_env):
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    writers = Writers(subprocess_env)
     try:
-        assert forker.stdout.readline().strip() == "ready"
-        for kill in range(8):
-            first_version = (kill + 1) * 100_000
-            forker.stdin.write(f"fork {path} {first_version} {numel}\n")
-            forker.stdin.flush()
-            pid = int(forker.stdout.readline())
-            deadline = time.monotonic() + 30
-            while not list(tmp_path.glob(f".fabric-tmp-ckpt.pt.{pid}.*")):
-                assert time.monotonic() < deadline, "the writer never started a save"
-                time.sleep(0.001)
-            # the writer's first save removed what the previously killed writer left behind
-            assert not any(old.exists() for old in stale), stale
-            time.sleep(rng.uniform(0.0, 0.25))
-            # a random moment, moved on to the next instant a save is in progress (not between two saves)
-            while not list(tmp_path.glob(f".fabric-tmp-ckpt.pt.{pid}.*")):
-                assert time.monotonic() < deadline, "the writer stopped saving"
-                time.sleep(0.0005)
-            os.kill(pid, signal.SIGKILL)
-            while True:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                assert time.monotonic() < deadline, "the killed writer did not go away"
-                time.sleep(0.001)
-
-            version = helper.check_payload(safe_load(path), numel)
-            assert version == last_version or first_version <= version < first_version + 100_000, version
-            last_version = version
-            stale = temp_files(tmp_path)
-            killed_mid_write += bool(stale)
-        forker.stdin.write("quit\n")
-        forker.stdin.flush()
-        assert forker.wait(timeout=30) == 0
+        (tmp_path / "fabric").mkdir()
+        (tmp_path / "torch").mkdir()
+        fabric_kills, fabric_torn = _kill_fabric_writers(writers, tmp_path / "fabric", rng)
+        torch_kills, torch_torn = _kill_torch_writers(writers, tmp_path / "torch", rng)
     finally:
-        if forker.poll() is None:
-            forker.kill()
-            forker.wait()
-    assert killed_mid_write >= 4, f"only {killed_mid_write} of 8 kills landed in the middle of a write"
+        writers.close()
+    print(f"\nfabric.save: {fabric_torn} torn of {fabric_kills} killed mid-save;"
+          f" torch.save: {torch_torn} torn of {torch_kills} killed")
+    assert fabric_kills >= KILLED_SAVES, f"only {fabric_kills} kills landed mid-save"
+    assert fabric_torn == 0
+    assert torch_torn >= 1, "plain torch.save was never torn: the contrast shows nothing"
 
-    # the next ordinary save works, and cleans up after the killed writer
-    atomic_save(helper.payload(1, numel), path)
-    assert helper.check_payload(safe_load(path), numel) == 1
-    assert temp_files(tmp_path) == []
+    # after the crashes, an ordinary save works and leaves nothing but the checkpoint behind
+    path = tmp_path / "fabric" / "ckpt.pt"
+    Fabric(accelerator="cpu", devices=1).save(path, writer_module.payload(7, NUMEL))
+    assert writer_module.version_of(safe_load(path), NUMEL) == 7
+    assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
