@@ -1,6 +1,6 @@
 """Sharding data across ranks: what each rank of a real 2-process job iterates, plus in-process sampler checks.
 
-The 2-process part reads the results of the popen job in ``ddp_scripts`` (run once per session and
+The 2-process part reads the results of the popen job in ``support/scripts/ddp`` (run once per session and
 shared with ``test_ddp.py``): each rank recorded the items its loaders yielded.
 """
 

@@ -6,22 +6,18 @@ srun and Kubeflow simulated by their environment variables).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+from fabric import Fabric
+from fabric.strategies import DDPStrategy
+from support.environment import free_port, isolate, job_environment
+from support.loading import script_path
 
-from ddp_scripts.harness import free_port, isolate, job_environment  # noqa: E402
-from fabric import Fabric  # noqa: E402
-from fabric.strategies import DDPStrategy  # noqa: E402
-
-SCRIPT = TESTS / "launch_scripts" / "no_launch.py"
+SCRIPT = script_path("launchers", "no_launch.py")
 TIMEOUT = 120
 
 
