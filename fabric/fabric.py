@@ -6,7 +6,7 @@ wraps objects, prints on rank 0, seeds, and dispatches to callbacks and loggers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
@@ -23,11 +23,12 @@ from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_ar
 from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.state import check_filter
 from fabric.connector import Connector
+from fabric.launching import check_launch_request, do_nothing
+from fabric.setup_inputs import check_module, check_optimizers, prepare_dataloader
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import all_plain_cpu_tensors, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
 from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import set_rank_zero_rank
-from fabric.utilities.seed import add_worker_seeding
 from fabric.utilities.seed import seed_everything as _seed_everything
 from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, is_wrapped, unwrap
 
@@ -131,23 +132,12 @@ class Fabric:
         Under an external launcher (torchrun, srun, mpirun, ``fabric run``) nothing is started: the
         process is only set up, and a script may leave ``launch()`` out altogether.
         """
-        if function is not None and not callable(function):
-            raise TypeError(f"launch(function=...) takes a callable, got {function!r} ({type(function).__name__})")
         if self._launch_called:
             raise RuntimeError("Fabric.launch() was already called in this process; call it once")
-        launcher = self._strategy.launcher
-        if launcher is not None and function is None and launcher.requires_function:
-            raise TypeError(
-                f"The {type(self._strategy).__name__} with start method {self._strategy.start_method!r}"
-                " starts new processes that need a function to run: call fabric.launch(function, *args)"
-            )
-        if launcher is not None and not launcher.is_interactive_compatible and _in_interactive_session():
-            raise RuntimeError(
-                f"{type(self._strategy).__name__} cannot be launched from an interactive session (notebook, REPL);"
-                " use strategy='ddp_notebook' (fork) or run the code as a script"
-            )
+        check_launch_request(self._strategy, function)
         self._launch_called = True
-        to_run = partial(self._run_with_setup, function or _do_nothing)
+        to_run = partial(self._run_with_setup, function or do_nothing)
+        launcher = self._strategy.launcher
         if launcher is None:
             return to_run(*(() if function is None else (self, *args)), **kwargs)
         return launcher.launch(to_run, *(() if function is None else (self, *args)), **kwargs)
@@ -157,7 +147,7 @@ class Fabric:
         try:
             return function(*args, **kwargs)
         except BaseException as exception:
-            if function is not _do_nothing:
+            if function is not do_nothing:
                 self._strategy.on_exception(exception)
             raise
 
@@ -189,8 +179,8 @@ class Fabric:
         """
         self._check_launched("setup")
         module, compile_context = split_compiled(module)
-        self._check_module(module)
-        self._check_optimizers(optimizers)
+        check_module(module)
+        check_optimizers(optimizers)
         module = self._strategy.precision.convert_module(module)
         if move_to_device:
             self._strategy.module_to_device(module)
@@ -208,7 +198,7 @@ class Fabric:
         """Wrap ``module`` alone (optimizers can be set up later with ``setup_optimizers``)."""
         self._check_launched("setup_module")
         module, compile_context = split_compiled(module)
-        self._check_module(module)
+        check_module(module)
         module = self._strategy.precision.convert_module(module)
         if move_to_device:
             self._strategy.module_to_device(module)
@@ -221,7 +211,7 @@ class Fabric:
         self._check_launched("setup_optimizers")
         if not optimizers:
             raise ValueError("setup_optimizers() needs at least one optimizer")
-        self._check_optimizers(optimizers)
+        check_optimizers(optimizers)
         wrapped = [FabricOptimizer(self._strategy.setup_optimizer(o), self._strategy, self._callbacks) for o in optimizers]
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
@@ -232,41 +222,9 @@ class Fabric:
         self._check_launched("setup_dataloaders")
         if not dataloaders:
             raise ValueError("setup_dataloaders() needs at least one dataloader")
-        wrapped = [self._setup_dataloader(d, use_distributed_sampler, move_to_device) for d in dataloaders]
-        return wrapped[0] if len(wrapped) == 1 else wrapped
-
-    def _setup_dataloader(self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool) -> FabricDataLoader:
-        if isinstance(dataloader, FabricDataLoader):
-            raise ValueError("This dataloader was already set up; pass each dataloader to setup_dataloaders() once")
-        if not isinstance(dataloader, torch.utils.data.DataLoader):
-            # as in Lightning Fabric: a list or a custom iterable cannot be sharded, so under DDP every rank
-            # would silently iterate all of the data
-            raise TypeError(
-                f"setup_dataloaders() takes torch.utils.data.DataLoader objects, got {type(dataloader).__name__};"
-                " wrap the data in a DataLoader (e.g. DataLoader(dataset, batch_size=...))"
-            )
-        sampler_kwargs = self._strategy.distributed_sampler_kwargs
-        if use_distributed_sampler and sampler_kwargs is not None:
-            from fabric.utilities.data import shard_dataloader
-
-            dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
-        dataloader = self._strategy.process_dataloader(dataloader)
-        add_worker_seeding(dataloader, rank=self.global_rank)
         device = self.device if move_to_device and self._strategy.moves_batches else None
-        return FabricDataLoader(dataloader, device=device, rank=self.global_rank, world_size=self.world_size)
-
-    def _check_module(self, module: Any) -> None:
-        if isinstance(module, FabricModule):
-            raise ValueError("This model was already set up; pass each model to setup() once")
-        if not isinstance(module, Module):
-            raise TypeError(f"setup() takes a torch.nn.Module, got {type(module).__name__}")
-
-    def _check_optimizers(self, optimizers: Sequence[Any]) -> None:
-        for optimizer in optimizers:
-            if isinstance(optimizer, FabricOptimizer):
-                raise ValueError("This optimizer was already set up; pass each optimizer to setup() once")
-            if not isinstance(optimizer, Optimizer):
-                raise TypeError(f"setup() takes torch.optim.Optimizer instances, got {type(optimizer).__name__}")
+        wrapped = [prepare_dataloader(d, self._strategy, use_distributed_sampler, device) for d in dataloaders]
+        return wrapped[0] if len(wrapped) == 1 else wrapped
 
     # ---- the training step ------------------------------------------------------------------------
 
@@ -519,18 +477,7 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     return _seed_everything(seed=seed, workers=workers, verbose=verbose)
 
 
-def _do_nothing(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 def _unwrap_all(state: dict[str, Any]) -> dict[str, Any]:
     # a FabricDataLoader stays: its state (position, random states) is its own, not the loader's
     return {key: value if isinstance(value, FabricDataLoader) else unwrap(value) for key, value in state.items()}
 
-
-def _in_interactive_session() -> bool:
-    import sys
-
-    import __main__
-
-    return hasattr(sys, "ps1") or not hasattr(__main__, "__file__")

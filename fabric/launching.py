@@ -1,0 +1,40 @@
+"""What ``Fabric.launch`` checks before it starts anything, so a wrong call fails before a process exists."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from fabric.strategies.strategy import Strategy
+
+
+def check_launch_request(strategy: Strategy, function: Callable[..., Any] | None) -> None:
+    """Raise for a ``launch(function)`` this strategy cannot run as asked."""
+    if function is not None and not callable(function):
+        raise TypeError(f"launch(function=...) takes a callable, got {function!r} ({type(function).__name__})")
+    launcher = strategy.launcher
+    if launcher is None:
+        return
+    if function is None and launcher.requires_function:
+        raise TypeError(
+            f"The {type(strategy).__name__} with start method {strategy.start_method!r}"
+            " starts new processes that need a function to run: call fabric.launch(function, *args)"
+        )
+    if not launcher.is_interactive_compatible and in_interactive_session():
+        raise RuntimeError(
+            f"{type(strategy).__name__} cannot be launched from an interactive session (notebook, REPL);"
+            " use strategy='ddp_notebook' (fork) or run the code as a script"
+        )
+
+
+def in_interactive_session() -> bool:
+    """A notebook or REPL: there is no script that a launcher could run again."""
+    import __main__
+
+    return hasattr(sys, "ps1") or not hasattr(__main__, "__file__")
+
+
+def do_nothing(*args: Any, **kwargs: Any) -> None:
+    """What each process runs when ``launch()`` is called without a function (popen: the script goes on)."""
+    return None

@@ -1,0 +1,52 @@
+"""What ``Fabric.setup*`` accept, and how a user's DataLoader is prepared for this strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from fabric.strategies.strategy import Strategy
+from fabric.utilities.seed import add_worker_seeding
+from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer
+
+
+def check_module(module: Any) -> None:
+    if isinstance(module, FabricModule):
+        raise ValueError("This model was already set up; pass each model to setup() once")
+    if not isinstance(module, Module):
+        raise TypeError(f"setup() takes a torch.nn.Module, got {type(module).__name__}")
+
+
+def check_optimizers(optimizers: Sequence[Any]) -> None:
+    for optimizer in optimizers:
+        if isinstance(optimizer, FabricOptimizer):
+            raise ValueError("This optimizer was already set up; pass each optimizer to setup() once")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"setup() takes torch.optim.Optimizer instances, got {type(optimizer).__name__}")
+
+
+def prepare_dataloader(
+    dataloader: Any, strategy: Strategy, use_distributed_sampler: bool, device: torch.device | None
+) -> FabricDataLoader:
+    """Shard ``dataloader`` across ranks, seed its workers, and wrap it to move batches to ``device``."""
+    if isinstance(dataloader, FabricDataLoader):
+        raise ValueError("This dataloader was already set up; pass each dataloader to setup_dataloaders() once")
+    if not isinstance(dataloader, torch.utils.data.DataLoader):
+        # as in Lightning Fabric: a list or a custom iterable cannot be sharded, so under DDP every rank
+        # would silently iterate all of the data
+        raise TypeError(
+            f"setup_dataloaders() takes torch.utils.data.DataLoader objects, got {type(dataloader).__name__};"
+            " wrap the data in a DataLoader (e.g. DataLoader(dataset, batch_size=...))"
+        )
+    sampler_kwargs = strategy.distributed_sampler_kwargs
+    if use_distributed_sampler and sampler_kwargs is not None:
+        from fabric.utilities.data import shard_dataloader
+
+        dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
+    dataloader = strategy.process_dataloader(dataloader)
+    add_worker_seeding(dataloader, rank=strategy.global_rank)
+    return FabricDataLoader(dataloader, device=device, rank=strategy.global_rank, world_size=strategy.world_size)
