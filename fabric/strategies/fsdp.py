@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch.nn import Module
+from typing_extensions import override
 
 from fabric.strategies.sharding import ShardedStrategy
 
@@ -91,6 +92,7 @@ class FSDPStrategy(ShardedStrategy):
 
     # ---- the mesh and the sharding ----------------------------------------------------------------------
 
+    @override
     def _build_device_mesh(self) -> Any:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -108,6 +110,7 @@ class FSDPStrategy(ShardedStrategy):
             raise ValueError(f"device_mesh={shape} has {shape[0] * shape[1]} ranks, but the job has {world}")
         return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
+    @override
     def _shard(self, module: Module) -> Module:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -128,6 +131,7 @@ class FSDPStrategy(ShardedStrategy):
     def _offloads(self) -> bool:
         return self.cpu_offload is not None and self.root_device.type != "cpu"
 
+    @override
     def _materialization_device(self) -> torch.device:
         """With CPU offload the shards live in CPU memory (fully_shard insists), else on this rank's device."""
         return torch.device("cpu") if self._offloads() else self.root_device

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch.nn import Module
+from typing_extensions import override
 
 from fabric.strategies.sharding import ShardedStrategy
 
@@ -62,11 +63,13 @@ class ModelParallelStrategy(ShardedStrategy):
         self._full_checkpoints = not save_distributed_checkpoint
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Ranks of one tensor-parallel group read the same batches: shard data over the data-parallel dimension."""
         mesh = self.device_mesh["data_parallel"]
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
+    @override
     def _build_device_mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -83,6 +86,7 @@ class ModelParallelStrategy(ShardedStrategy):
             )
         return init_device_mesh(self.root_device.type, (int(data), int(tensor)), mesh_dim_names=MESH_DIMENSIONS)
 
+    @override
     def _shard(self, module: Module) -> Module:
         result = self._parallelize_fn(module, self.device_mesh)
         if not isinstance(result, Module):

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits
 from fabric.strategies.ddp import ProcessGroupStrategy
@@ -59,6 +60,7 @@ class ShardedStrategy(ProcessGroupStrategy):
             raise RuntimeError(f"{type(self).__name__}.device_mesh exists only after Fabric.launch() started the ranks")
         return self._device_mesh
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         if self._device_mesh is None:
@@ -74,9 +76,11 @@ class ShardedStrategy(ProcessGroupStrategy):
 
     # ---- modules -----------------------------------------------------------------------------------
 
+    @override
     def module_to_device(self, module: Module) -> None:
         """Nothing here: sharding moves each rank's shards to its device, so the whole model never lands on one."""
 
+    @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """With ``empty_init=True`` parameters go on the meta device: no memory until set-up shards them."""
         contexts: list[AbstractContextManager] = [self.precision.module_init_context()]
@@ -84,6 +88,7 @@ class ShardedStrategy(ProcessGroupStrategy):
             contexts.insert(0, torch.device("meta"))
         return _entered_together(contexts)
 
+    @override
     def setup_module(self, module: Module) -> Module:
         """Shard ``module``; parameters made on the meta device are then allocated (shards only) and initialized."""
         if not dist.is_initialized():
@@ -101,6 +106,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         self._set_up_modules.add(module)  # also block_backward_sync()'s modules when given none
         return module
 
+    @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer]) -> tuple[Module, list[Optimizer]]:
         """Shard ``module``, then point optimizers created from its original parameters at the sharded ones."""
         names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
@@ -117,6 +123,7 @@ class ShardedStrategy(ProcessGroupStrategy):
             repoint_optimizer(optimizer, names, sharded, type(self).__name__)
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers]
 
+    @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Refuse an optimizer over parameters that sharding replaced (created from the model too early)."""
         for group in optimizer.param_groups:
@@ -130,6 +137,7 @@ class ShardedStrategy(ProcessGroupStrategy):
                     )
         return optimizer
 
+    @override
     def clip_gradients_norm(
         self, module: Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0, error_if_nonfinite: bool = True
     ) -> Tensor:
@@ -144,6 +152,7 @@ class ShardedStrategy(ProcessGroupStrategy):
 
     # ---- checkpoints (their folder and file formats live in fabric.plugins.io) -----------------------
 
+    @override
     def save_checkpoint(
         self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None, async_save: bool = False,
@@ -165,6 +174,7 @@ class ShardedStrategy(ProcessGroupStrategy):
 
             save_sharded(path, state, filter=filter, async_save=async_save)
 
+    @override
     def load_checkpoint(
         self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
@@ -175,6 +185,7 @@ class ShardedStrategy(ProcessGroupStrategy):
 
         return load_sharded(path, state, strict=strict, weights_only=weights_only)
 
+    @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Full tensors (e.g. from ``torch.save(model.state_dict())``): each rank keeps its part of each."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -182,6 +193,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         check_state_dict_fits(module, state_dict, strict=strict)
         set_model_state_dict(module, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
+    @override
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """A plain ``optimizer.state_dict()`` (numbered, full tensors) into the optimizer of sharded parameters."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
@@ -207,6 +219,7 @@ class ShardedStrategy(ProcessGroupStrategy):
 class _ShardedBackwardSyncControl(BackwardSyncControl):
     """Accumulation without communication: FSDP2's ``set_requires_gradient_sync(False)`` on every sharded module."""
 
+    @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         return _gradient_sync_off(module) if enabled else nullcontext()
 

@@ -15,7 +15,7 @@ from fabric.plugins.environments import LightningEnvironment, TorchElasticEnviro
 from fabric.plugins.io import TorchCheckpointIO
 from fabric.plugins.precision import DoublePrecision, Precision
 from fabric.strategies import DataParallelStrategy, DDPStrategy, ParallelStrategy, SingleDeviceStrategy, Strategy
-from fabric.strategies import ddp, horovod, horovod_environment, single_device
+from fabric.strategies import ddp, fsdp, horovod, horovod_environment, model_parallel, sharding, single_device
 from fabric.strategies.strategy import ConnectorChoices, _SaveOutcome
 
 CPU = torch.device("cpu")
@@ -26,6 +26,11 @@ MARKED = [
     DataParallelStrategy,
     DDPStrategy,
     ddp._DDPBackwardSyncControl,
+    ddp.ProcessGroupStrategy,
+    sharding.ShardedStrategy,
+    sharding._ShardedBackwardSyncControl,
+    fsdp.FSDPStrategy,
+    model_parallel.ModelParallelStrategy,
     horovod.HorovodStrategy,
     horovod_environment.HorovodEnvironment,
     horovod._HorovodBackwardSyncControl,
