@@ -4,7 +4,6 @@ need nothing of Fabric but the launchers themselves."""
 from __future__ import annotations
 
 import os
-import socket
 
 
 class StandInEnvironment:
@@ -21,9 +20,9 @@ class StandInEnvironment:
     @property
     def main_port(self) -> int:
         if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+            from fabric._core.env import find_free_port  # torch-free, like the launchers
+
+            os.environ["MASTER_PORT"] = str(find_free_port())
         return int(os.environ["MASTER_PORT"])
 
     def node_rank(self) -> int:
