@@ -84,8 +84,10 @@ class FabricModule(Module):
         if self._fast_forward:
             return forward_module(*args, **kwargs)
         precision = self._precision
-        if args or kwargs:
+        if kwargs or not all(type(arg) is torch.Tensor for arg in args):
             args, kwargs = precision.convert_input((args, kwargs))
+        else:  # the common call, model(x): no collection walk
+            args = tuple(precision.convert_input(arg) for arg in args)
         with precision.forward_context():
             output = forward_module(*args, **kwargs)
         return precision.convert_output(output)
