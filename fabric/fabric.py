@@ -30,7 +30,7 @@ from fabric.utilities.apply_func import all_plain_cpu_tensors, convert_tensors_t
 from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import set_rank_zero_rank
 from fabric.utilities.seed import seed_everything as _seed_everything
-from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer, is_wrapped, unwrap
+from fabric.wrappers import FabricModule, FabricOptimizer, unwrap, unwrap_state, write_back_plain_values
 
 
 class Fabric:
@@ -411,17 +411,12 @@ class Fabric:
         *,
         async_save: bool = False,
     ) -> None:
-        """Write ``state`` to ``path`` atomically, once (from rank 0; under a sharded strategy every rank
-        writes its shards into a folder).
+        """Write ``state`` to ``path`` atomically (rank 0 writes a file; sharded strategies: every rank its shards).
 
-        Modules and optimizers in ``state`` become their state dicts; ``filter`` maps a state key to a
-        ``(name, value) -> bool`` predicate choosing which entries of that object's state dict to keep.
-        A dataloader from ``setup_dataloaders`` is saved with every rank's position and random states,
-        for an exact resume (``docs/resume.md``); call ``save`` on every rank.
-
-        ``async_save=True`` (fabric's addition) returns once the tensors are copied to CPU memory and
-        writes in the background; the next save or load, teardown and program exit wait for it, and
-        its error, if any, is raised there. The file or folder still appears whole or not at all.
+        Call it on every rank. Modules and optimizers become state dicts; ``filter`` maps a key to a
+        ``(name, value) -> bool`` predicate. A set-up dataloader is saved with every rank's position and
+        random states (exact resume, ``docs/resume.md``). ``async_save=True`` (ours) returns once the
+        tensors are copied off and writes in the background; the next save/load, teardown and exit wait.
         """
         self._check_launched("save")  # before writing anything: the collective at the end would fail late
         if not isinstance(state, dict):
@@ -429,7 +424,7 @@ class Fabric:
         if filter is not None:
             check_filter(filter, state)
         # per-rank states (a loader's random states) are gathered here: only rank 0 writes the file
-        unwrapped = gather_per_rank_states(_unwrap_all(state), self.all_gather, self.world_size)
+        unwrapped = gather_per_rank_states(unwrap_state(state), self.all_gather, self.world_size)
         # collective: returns on every rank once the file is written, or raises rank 0's error on every rank
         # (with async_save: once the state is copied off; the write's outcome comes with the next save)
         if async_save:
@@ -455,13 +450,11 @@ class Fabric:
                 f"load(state=...) takes a dict of the objects to restore (e.g. {{'model': model}}), got"
                 f" {type(state).__name__}; to load into one module or optimizer, use load_raw(path, obj)"
             )
-        unwrapped = _unwrap_all(state) if state is not None else None
+        unwrapped = unwrap_state(state) if state is not None else None
         remainder = self._strategy.load_checkpoint(path, state=unwrapped, strict=strict, weights_only=weights_only)
         self.barrier()
         if state is not None and unwrapped is not None:
-            for key, value in unwrapped.items():
-                if not is_wrapped(state[key]) and not isinstance(state[key], (Module, Optimizer)):
-                    state[key] = value
+            write_back_plain_values(state, unwrapped)
         return remainder
 
     def load_raw(self, path: str | Path, obj: Module | Optimizer, strict: bool = True, *, weights_only: bool | None = None) -> None:
@@ -475,9 +468,3 @@ class Fabric:
 def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed ``random``, NumPy and torch; see ``Fabric.seed_everything``."""
     return _seed_everything(seed=seed, workers=workers, verbose=verbose)
-
-
-def _unwrap_all(state: dict[str, Any]) -> dict[str, Any]:
-    # a FabricDataLoader stays: its state (position, random states) is its own, not the loader's
-    return {key: value if isinstance(value, FabricDataLoader) else unwrap(value) for key, value in state.items()}
-

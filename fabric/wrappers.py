@@ -315,3 +315,21 @@ def unwrap(obj: Any) -> Any:
 def is_wrapped(obj: Any) -> bool:
     """Whether ``obj`` came from ``Fabric.setup*`` (also after ``torch.compile`` of a set-up module)."""
     return isinstance(split_compiled(obj)[0], (FabricModule, FabricOptimizer, FabricDataLoader))
+
+
+def unwrap_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every wrapper replaced by the user's object, for saving and loading.
+
+    A FabricDataLoader stays: its state (position, random states) is its own, not the loader's.
+    """
+    return {key: value if isinstance(value, FabricDataLoader) else unwrap(value) for key, value in state.items()}
+
+
+def write_back_plain_values(state: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """After a load into ``unwrap_state(state)``, put the loaded plain values (a step count, ...) into ``state``.
+
+    Modules, optimizers and wrappers were restored in place and stay the user's objects.
+    """
+    for key, value in loaded.items():
+        if not is_wrapped(state[key]) and not isinstance(state[key], (Module, Optimizer)):
+            state[key] = value
