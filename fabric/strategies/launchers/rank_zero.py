@@ -39,6 +39,8 @@ class RankZeroSupervision:
         self._stopping = False
         self._all_done = threading.Event()
         self._exit_status: int | None = None
+        #: the status rank 0 must end with once a failure or signal has been decided on (None: no such end)
+        self._forced_exit: int | None = None
         self._previous_excepthook: Callable[..., Any] = sys.excepthook
         self._original_exit: Callable[..., Any] = sys.exit
         self._thread: threading.Thread | None = None
@@ -138,11 +140,24 @@ class RankZeroSupervision:
             # (non-zero) should a child fail while we wait.
             while not self._all_done.wait(POLL_S):
                 if self._stopping:
+                    self._end_as_decided()
                     return
                 if self._thread is None or not self._thread.is_alive():
                     self._act(self.supervisor.wait())
         except KeyboardInterrupt:
             self._abort_for_signal(signal.SIGINT, grace=0.0)
+
+    def _end_as_decided(self) -> None:
+        """Somebody is stopping the job: wait until its teardown is over, then end with its status.
+
+        The monitor thread sets ``_stopping`` before it tears down (which takes a while); without this
+        wait the interpreter would finish its exit meanwhile and report success for a failed job.
+        """
+        with self._lock:  # held by whoever stops the job until its teardown is done
+            code = self._forced_exit
+        if code is not None:
+            flush_stdio()
+            os._exit(code)
 
     # -- the monitor thread ------------------------------------------------------------------------
 
@@ -165,18 +180,23 @@ class RankZeroSupervision:
             if self._stopping:
                 return  # a deliberate stop (kill(), rank 0's own failure): no second report
             self._stopping = True
-            others = len(self.supervisor.ranks)  # every other rank: the other children and rank 0
-            write_stderr(f"[fabric] {result.failure.describe()}; stopping the other {others} rank(s) on this node")
-            self._report(result.diagnosis)
-            self._teardown()
-            flush_stdio()
-            os._exit(1)
+            self._forced_exit = 1
+            try:
+                others = len(self.supervisor.ranks)  # every other rank: the other children and rank 0
+                write_stderr(f"[fabric] {result.failure.describe()}; stopping the other {others} rank(s) on this node")
+                self._report(result.diagnosis)
+                self._teardown()
+            finally:  # whatever the teardown ran into, the job failed
+                flush_stdio()
+                os._exit(1)
 
     def _abort_for_signal(self, signum: int, grace: float | None = None) -> None:
         """Ctrl-C / SIGTERM: stop the children, then end rank 0 with 128 + signum."""
         with self._lock:
             first = not self._stopping
             self._stopping = True
+            if self._forced_exit is None:
+                self._forced_exit = 128 + signum
             if first:
                 write_stderr(f"[fabric] rank {self.rank} received {signal_name(signum)}; stopping all ranks")
                 self._teardown()
