@@ -6,6 +6,7 @@ one job per start method serves many tests here (starting processes is the expen
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -424,3 +425,18 @@ def test_a_failed_rank0_save_raises_the_same_error_on_every_rank(clean_env, tmp_
     assert ranks[0]["good_save"] is None and ranks[1]["good_save"] is None
     # nothing half-written is left where the checkpoints go
     assert ranks[0]["files"] == ["a-file", "good.pt"]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
+def test_no_gloo_thread_outlives_the_exit_hook_with_a_module_level_model(tmp_path):
+    """Nothing of the process group may still run when the interpreter shuts down (else: exit 134)."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "exit_threads.py"), str(tmp_path)],
+        env=job_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=80,
+    )
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        names = json.loads((tmp_path / f"threads{rank}.json").read_text())
+        left = [name for name in names if "gloo" in name or "tcpstore" in name]
+        assert not left, f"rank {rank}: threads of the process group still running at exit: {names}"
