@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -366,6 +367,8 @@ def _bind_default_arguments_before_the_group_exists() -> None:
 _DDP_MODULES: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
 # What a DDP module holds the process group by (its C++ reducer and logger hold it too).
 _GROUP_HOLDERS = ("reducer", "logger", "process_group")
+# Seconds a still-running group's worker threads get at exit to finish letting go of collectives' tensors.
+_LATE_RELEASE_S = 0.05
 
 
 def _leave_process_group() -> None:
@@ -385,11 +388,34 @@ def _leave_process_group() -> None:
 
 
 def _destroy_process_group_at_exit() -> None:
-    """Leave the group while the interpreter is whole, so that gloo's threads are joined before shutdown."""
+    """Leave the group while the interpreter is whole, so that gloo's threads are joined before shutdown.
+
+    Where something outside our reach still holds a group (torch's FSDP keeps one of its meshes' groups),
+    its threads live on: give them a moment with the GIL released, so that one still letting go of a
+    just-finished collective's tensors does it now rather than during shutdown.
+    """
     try:
         _leave_process_group()
+        if _process_group_threads_alive():
+            time.sleep(_LATE_RELEASE_S)
     except Exception:  # never let exit fail over it; the process is going away anyway
         pass
+
+
+def _process_group_threads_alive() -> bool:
+    """Whether a gloo worker thread of this process still runs (Linux names them; elsewhere: assume so)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().startswith("pt_gloo"):
+                    return True
+        except OSError:  # that thread ended meanwhile
+            continue
+    return False
 
 
 def _unwrap_ddp(module: Module) -> Module:
