@@ -5,6 +5,7 @@ srun and Kubeflow simulated by their environment variables).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -93,6 +94,25 @@ def test_no_launch_under_fabric_run_and_launch_stays_allowed(tmp_path):
     _run(command, env)
     reports = _reports(tmp_path, 2)
     _check(reports, devices=2, num_nodes=1, environment=reports[0]["environment"])
+    assert all(report["launch_again_total"] == 2 for report in reports)
+
+
+def _mpirun() -> Path:
+    """The ``mpirun`` next to this interpreter (the MPICH wheel of the ``mpi`` extra puts it there)."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    if not mpirun.exists() or importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("needs the `mpi` extra (mpi4py and MPICH's mpirun): pip install -e '.[mpi]'")
+    return mpirun
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_no_launch_under_mpirun_and_launch_stays_allowed(tmp_path):
+    env = job_environment()
+    env["CALL_LAUNCH_TOO"] = "1"
+    command = [str(_mpirun()), "-n", "2", sys.executable, str(SCRIPT), str(tmp_path), "2", "1"]
+    _run(command, env)
+    reports = _reports(tmp_path, 2)
+    _check(reports, devices=2, num_nodes=1, environment="MPIEnvironment")
     assert all(report["launch_again_total"] == 2 for report in reports)
 
 
