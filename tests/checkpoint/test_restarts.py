@@ -71,6 +71,29 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_exactly(tmp_path, u
     assert_resumed_exactly(tmp_path, uninterrupted)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted_fsdp")
+    command = [PYTHON, str(JOB), str(folder), "--strategy", "fsdp"]
+    [(code, out, err)] = finish([start(command, env=clean_env(OMP_NUM_THREADS="1"))], 150)
+    assert code == 0, f"{out}\n{err[-4000:]}"
+    return folder
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_restarts_a_killed_fsdp_rank_and_the_sharded_job_resumes_exactly(tmp_path, uninterrupted_fsdp) -> None:
+    """The sharded strategies rejoin a restarted attempt too, and resume from a folder of shards."""
+    port = free_port()
+    command = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "keep-going-fsdp",
+               str(JOB), str(tmp_path), "--strategy", "fsdp", "--die-rank", "1", "--die-at", str(DIE_AT)]
+    [(code, out, err)] = finish([start(command, env=clean_env(OMP_NUM_THREADS="1"))], 300)
+    assert code == 0, f"torchrun exited with {code}:\n{out}\n{err[-6000:]}"
+    assert "(exitcode: -9) local_rank: 1" in err, err[-3000:]
+    assert (tmp_path / "checkpoints" / "step-00006.ckpt").is_dir(), "an fsdp checkpoint is a folder of shards"
+    assert_resumed_exactly(tmp_path, uninterrupted_fsdp)
+
+
 @pytest.mark.timeout(400)
 def test_fabric_run_restarts_a_killed_rank_and_the_job_resumes_exactly(tmp_path, uninterrupted) -> None:
     command = fabric_run("--accelerator", "cpu", "--devices", 2, "--max-restarts", 1, JOB, tmp_path,

@@ -1,6 +1,6 @@
 """A 2-rank DDP run that checkpoints every few steps and resumes from its latest checkpoint when started again.
 
-    python keep_going_job.py OUTDIR [--die-rank R --die-at S] [--watch-preemption --pace SECONDS]
+    python keep_going_job.py OUTDIR [--die-rank R --die-at S] [--watch-preemption --pace SECONDS] [--strategy fsdp]
 
 Started by the tests under ``fabric run``, torchrun or a simulated ``srun`` (the launcher's
 environment decides the ranks). What it does is docs/resume.md's recipe with latest-checkpoint
@@ -55,6 +55,11 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(value, "to_local", None)  # a DTensor under fsdp
+    return to_local() if to_local is not None else value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("outdir", type=Path)
@@ -62,10 +67,12 @@ def main() -> None:
     parser.add_argument("--die-at", type=int, default=-1)
     parser.add_argument("--watch-preemption", action="store_true")
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
+                        help="fsdp: parameters are sharded and checkpoints are folders of shards")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=2)
     fabric.launch()
     rank = fabric.global_rank
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -109,7 +116,8 @@ def main() -> None:
                 record = {"step": step, "attempt": attempt, "resumed_from": resumed_from}
                 (args.outdir / f"preempted-rank{rank}.json").write_text(json.dumps(record))
                 return
-    params = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    # this rank's part: a sharded parameter's local shard, which two runs must agree on bit for bit
+    params = {name: _local(value).detach().clone() for name, value in model.state_dict().items()}
     torch.save({"params": params, "trained": trained, "attempt": attempt, "resumed_from": resumed_from},
                args.outdir / f"final-rank{rank}.pt")
 
