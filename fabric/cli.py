@@ -37,11 +37,14 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fabric._core.devices import DevicesSyntaxError, parse_devices
 from fabric._core.env import fabric_variable, find_free_port, global_rank, rank_environment
 from fabric._core.names import ACCELERATOR_CHOICES, PRECISION_ALIASES, PRECISION_VALUES
+
+if TYPE_CHECKING:
+    from fabric.strategies.launchers.node_rendezvous import NodeRendezvous
 
 __all__ = ["main", "run", "build_run_parser"]
 
@@ -160,13 +163,18 @@ def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
         ),
         ("main_port", ("--main-port", "--main_port"), dict(
             type=_port, default=None, metavar="PORT",
-            help=f"Port on the main machine for the rendezvous. Default: {DEFAULT_MAIN_PORT}"
-            " (on a single node, a free port)."),
+            help=f"Port on the main machine for the rendezvous (of the nodes, with --max-restarts). Default:"
+            f" {DEFAULT_MAIN_PORT} (on a single node, a free port)."),
         ),
         ("max_restarts", ("--max-restarts", "--max_restarts"), dict(
             type=_non_negative_int("--max-restarts"), default=0, metavar="N",
-            help="After a rank fails, stop this node's ranks and start them again, up to N times; every"
-            " attempt sees TORCHELASTIC_RESTART_COUNT (0, 1, ...). One node only. Default: 0."),
+            help="After a rank fails, stop the ranks and start them again, up to N times; every attempt sees"
+            " TORCHELASTIC_RESTART_COUNT (0, 1, ...). Several nodes restart together. Default: 0."),
+        ),
+        ("rdzv_id", ("--rdzv-id", "--rdzv_id"), dict(
+            default=None, metavar="ID",
+            help="With --max-restarts and several nodes: the job's id in the nodes' rendezvous, the same on"
+            " every node. Default: derived from --main-address and --main-port."),
         ),
         ("precision", ("--precision",), dict(
             type=_choice("--precision", PRECISIONS), default=None, metavar="P",
@@ -259,6 +267,7 @@ class RunConfig:
     precision: str | None
     given: frozenset[str]  # the options the user wrote
     max_restarts: int = 0
+    rdzv_id: str | None = None
 
 
 def parse_run_args(argv: Sequence[str]) -> RunConfig:
@@ -273,11 +282,10 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
             f"--node-rank={args.node_rank} is not valid with --num-nodes={args.num_nodes};"
             f" accepted: 0 .. {args.num_nodes - 1}"
         )
-    if args.max_restarts and args.num_nodes > 1:
+    if args.rdzv_id is not None and not (args.max_restarts and args.num_nodes > 1 and args.rdzv_id.strip()):
         parser.error(
-            f"--max-restarts={args.max_restarts} is not supported with --num-nodes={args.num_nodes}: the machines"
-            " would have to restart together; accepted: --max-restarts with --num-nodes=1 (for several machines"
-            " use torchrun --max-restarts, which DDPStrategy rejoins)"
+            f"--rdzv-id={args.rdzv_id!r} is not used here; accepted: a non-empty id, with --num-nodes > 1 and"
+            " --max-restarts >= 1 (the nodes' rendezvous exists only then)"
         )
     if not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} does not exist (or is not a file)")
@@ -302,6 +310,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         precision=args.precision,
         given=given,
         max_restarts=args.max_restarts,
+        rdzv_id=args.rdzv_id,
     )
 
 
@@ -362,11 +371,14 @@ def _ignore(signum: int, frame: Any) -> None:
     """Signals the supervisor handles: the signal pipe has woken it; nothing else to do here."""
 
 
-def _run_ranks(command: list[str], envs: dict[int, dict[str, str]], max_restarts: int = 0) -> int:
+def _run_ranks(
+    command: list[str], envs: dict[int, dict[str, str]], max_restarts: int = 0, nodes: NodeRendezvous | None = None
+) -> int:
     """Start the ranks of this node under one supervisor; the first failure or a signal stops them all.
 
     After a failure (not a signal) the ranks are started again, up to ``max_restarts`` times, each
-    attempt with ``TORCHELASTIC_RESTART_COUNT`` set as torchrun sets it.
+    attempt with ``TORCHELASTIC_RESTART_COUNT`` set as torchrun sets it; with several nodes, every
+    node's attempts go together through ``nodes`` (torch's elastic rendezvous).
     """
     from fabric.strategies.launchers.command_rank import CommandRank
     from fabric.strategies.launchers.supervisor import SignalPipe, Supervisor
@@ -380,14 +392,14 @@ def _run_ranks(command: list[str], envs: dict[int, dict[str, str]], max_restarts
 
     def start_rank(rank: int, job_dir: str) -> CommandRank:
         env = {**envs[rank], "TORCHELASTIC_RESTART_COUNT": str(supervisor.attempts - 1),
-               "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}
+               "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), **(nodes.attempt_environment if nodes else {})}
         # local rank 0 keeps the terminal's stdin, as under torchrun
         return CommandRank(rank, command, env, job_dir, keep_stdin=rank == first)
 
     supervisor = Supervisor(start_rank, sorted(envs), signals=signals)
     try:
-        result = supervisor.run(report=_say)
-        while result.failure is not None and supervisor.attempts <= max_restarts:
+        result = nodes.run(supervisor, max_restarts, _say) if nodes else supervisor.run(report=_say)
+        while not nodes and result.failure is not None and supervisor.attempts <= max_restarts:
             _say(f"restarting the ranks on this node (restart {supervisor.attempts} of {max_restarts})")
             result = supervisor.run(report=_say)
     finally:
@@ -422,7 +434,12 @@ def run(config: RunConfig) -> int:
     for local_rank in range(nprocs):
         ranks = rank_environment(config.main_address, main_port, config.node_rank, config.num_nodes, nprocs, local_rank)
         envs[global_rank(config.node_rank, nprocs, local_rank)] = {**env, **ranks}
-    return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts)
+    nodes = None
+    if config.num_nodes > 1 and config.max_restarts:  # the one path of `fabric run` that imports torch
+        from fabric.strategies.launchers.node_rendezvous import NodeRendezvous
+
+        nodes = NodeRendezvous(config.main_address, main_port, config.node_rank, config.num_nodes, config.rdzv_id)
+    return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts, nodes)
 
 
 # ---- entry point --------------------------------------------------------------------------------------

@@ -6,10 +6,17 @@ Real processes: ``support/scripts/resilience/keep_going_job.py`` (2 ranks, a che
 rank 1 kills itself with SIGKILL before step 8 in the first attempt. Under ``torchrun --max-restarts 1``
 (static and c10d rendezvous) the second attempt must form its process group (DDPStrategy rendezvouses
 under a store prefix of its own per attempt), load step 6 and finish.
+
+With several nodes (two ``fabric run`` processes of 2 ranks each on this machine, ``--num-nodes 2``)
+the nodes meet in torch's elastic rendezvous and restart together: rank 3 (node 1) dies, both nodes
+start attempt 1 and the job ends as an uninterrupted 4-rank run; when the restarts are spent, or a
+node gets a signal, every node ends, none hangs.
 """
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 from datetime import timedelta
 
@@ -20,11 +27,12 @@ import torch.distributed as dist
 from support import PYTHON
 from support.environment import clean_env, free_port
 from support.loading import script_path
-from support.processes import fabric_run, finish, run, start
+from support.processes import fabric_run, finish, run, start, wait_for_files
 
 JOB = script_path("resilience", "keep_going_job.py")
 ATTEMPT_RANK = script_path("resilience", "elastic_attempt_rank.py")
-TOTAL_STEPS = 16
+NODE_ATTEMPTS = script_path("resilience", "node_attempts.py")
+TOTAL_STEPS = 16  # 2 epochs of 64 samples in batches of 4 per rank, on 2 ranks (8 on 4 ranks)
 DIE_AT = 7  # rank 1 dies before its 8th step: the last checkpoint is step 6
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
@@ -42,17 +50,18 @@ def uninterrupted(tmp_path_factory):
     return folder
 
 
-def assert_resumed_exactly(folder, reference) -> None:
-    for rank in range(2):
+def assert_resumed_exactly(folder, reference, ranks: int = 2, died: int = 1) -> None:
+    total_steps = TOTAL_STEPS * 2 // ranks
+    for rank in range(ranks):
         resumed, expected = _final(folder, rank), _final(reference, rank)
         assert resumed["attempt"] == 1, "the job should have finished in its second attempt"
         assert resumed["resumed_from"] == 6, "the second attempt should resume from the step-6 checkpoint"
-        assert resumed["trained"] == list(range(7, TOTAL_STEPS + 1))
+        assert resumed["trained"] == list(range(7, total_steps + 1))
         for name, value in expected["params"].items():
             assert torch.equal(resumed["params"][name], value), f"rank {rank}: {name} differs from the uninterrupted run"
-    # the first attempt really died where it should have: rank 1 reached step 7 and no further
-    assert int((folder / "progress-rank1").read_text()) == TOTAL_STEPS
-    assert (folder / "pid-attempt0-rank1").exists() and (folder / "pid-attempt1-rank1").exists()
+    # the first attempt really died where it should have, and the second one finished
+    assert int((folder / f"progress-rank{died}").read_text()) == total_steps
+    assert (folder / f"pid-attempt0-rank{died}").exists() and (folder / f"pid-attempt1-rank{died}").exists()
 
 
 @pytest.mark.timeout(400)
@@ -118,12 +127,91 @@ def test_fabric_run_gives_up_after_max_restarts(tmp_path) -> None:
     assert result.stderr.count("restarting the ranks") == 2
 
 
-def test_max_restarts_with_several_nodes_is_refused(tmp_path) -> None:
+def test_a_rendezvous_id_without_the_nodes_rendezvous_is_refused(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text("")
-    result = run(fabric_run("--num-nodes", 2, "--max-restarts", 1, script), timeout=60, check=False)
+    result = run(fabric_run("--num-nodes", 2, "--rdzv-id", "job7", script), timeout=60, check=False)
     assert result.returncode == 2
-    assert "--max-restarts=1 is not supported with --num-nodes=2" in result.stderr
+    assert "--rdzv-id='job7' is not used here" in result.stderr and "--max-restarts >= 1" in result.stderr
+
+
+# ---- several nodes ------------------------------------------------------------------------------------
+
+
+def _two_nodes(options: list, script_and_args: list) -> list:
+    """Two `fabric run` processes of 2 CPU ranks each on this machine: node ranks 0 and 1 of one job."""
+    port = free_port()
+    return [start(fabric_run("--accelerator", "cpu", "--devices", 2, "--num-nodes", 2, "--node-rank", node,
+                             "--main-port", port, *options, *script_and_args), env=clean_env(OMP_NUM_THREADS="1"))
+            for node in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_on_two_nodes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uninterrupted_two_nodes")
+    for code, out, err in finish(_two_nodes([], [JOB, folder, "--fixed-buckets"]), 150):
+        assert code == 0, f"{out}\n{err[-4000:]}"
+    return folder
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_restart_together_and_the_job_resumes_exactly(tmp_path, uninterrupted_on_two_nodes) -> None:
+    """Rank 3 (node 1) is killed mid-epoch: both nodes restart, the job resumes from step 6 and ends exactly.
+
+    On 4 ranks the job keeps DDP's first gradient buckets (see keep_going_job.py): bit-exactness then
+    holds; the restart itself is what this test is about.
+    """
+    nodes = _two_nodes(["--max-restarts", 1], [JOB, tmp_path, "--die-rank", 3, "--die-at", DIE_AT, "--fixed-buckets"])
+    (code0, out0, err0), (code1, out1, err1) = finish(nodes, 300)
+    assert (code0, code1) == (0, 0), f"node 0:\n{err0[-4000:]}\nnode 1:\n{err1[-4000:]}"
+    assert "rank 3 was killed by SIGKILL" in err1, err1[-3000:]
+    for err in (err0, err1):
+        assert "restart 1 of 1" in err and "restart 2" not in err, err[-3000:]
+    assert_resumed_exactly(tmp_path, uninterrupted_on_two_nodes, ranks=4, died=3)
+    # every rank ran in both attempts, and saw TORCHELASTIC_RESTART_COUNT 0, then 1
+    pids = {path.name for path in tmp_path.glob("pid-attempt*")}
+    assert pids == {f"pid-attempt{attempt}-rank{rank}" for attempt in (0, 1) for rank in range(4)}, pids
+
+
+def _attempts(folder) -> dict[tuple[int, int], dict]:
+    """(attempt, rank) -> the rank variables that rank saw, from node_attempts.py's records."""
+    records = {}
+    for path in folder.glob("attempt*-rank*.json"):
+        attempt, rank = path.stem.removeprefix("attempt").split("-rank")
+        records[int(attempt), int(rank)] = json.loads(path.read_text())
+    return records
+
+
+@pytest.mark.timeout(200)
+def test_two_nodes_give_up_together_when_the_restarts_are_spent(tmp_path) -> None:
+    """Rank 3 fails in every attempt; node 0's ranks never fail, node 0 restarts because node 1 does."""
+    started = time.monotonic()
+    nodes = _two_nodes(["--max-restarts", 1], [NODE_ATTEMPTS, tmp_path, "--fail-rank", 3])
+    (code0, _, err0), (code1, _, err1) = finish(nodes, 150)
+    assert code1 == 3, err1[-3000:]  # the failed rank's status, on its node
+    assert code0 != 0, err0[-3000:]
+    assert time.monotonic() - started < 120
+    assert "another node is restarting the job" in err0 and "another node ended the job" in err0, err0[-3000:]
+    records = _attempts(tmp_path)
+    assert set(records) == {(attempt, rank) for attempt in (0, 1) for rank in range(4)}, sorted(records)
+    for (attempt, rank), seen in records.items():
+        assert seen["TORCHELASTIC_RESTART_COUNT"] == str(attempt) and seen["TORCHELASTIC_MAX_RESTARTS"] == "1"
+        assert seen["GROUP_RANK"] == str(rank // 2) and seen["WORLD_SIZE"] == "4"
+    # one rendezvous port for the ranks per attempt, the same on both nodes, a new one for the restart
+    ports = [{records[attempt, rank]["MASTER_PORT"] for rank in range(4)} for attempt in (0, 1)]
+    assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1], ports
+    assert len({seen["TORCHELASTIC_RUN_ID"] for seen in records.values()}) == 1
+
+
+@pytest.mark.timeout(200)
+def test_a_signal_to_one_node_ends_every_node_without_a_restart(tmp_path) -> None:
+    nodes = _two_nodes(["--max-restarts", 1], [NODE_ATTEMPTS, tmp_path])
+    wait_for_files(tmp_path, "attempt0-rank*.json", 4, timeout=120)
+    nodes[0].send_signal(signal.SIGTERM)
+    (code0, _, err0), (code1, _, err1) = finish(nodes, 60)
+    assert code0 == 128 + signal.SIGTERM, err0[-3000:]
+    assert code1 != 0 and "another node ended the job" in err1, err1[-3000:]
+    assert not list(tmp_path.glob("attempt1-*")), "a signal must never restart the job"
 
 
 def _attempt_rank(rank: int, attempt: int, port: int, timeout_s: float = 20):

@@ -147,18 +147,21 @@ class JobResult:
     signal: int | None = None
     #: for a collective timeout: which ranks never arrived, and where every rank was
     diagnosis: str | None = None
+    #: why an outside condition ended the attempt (see ``should_stop`` of :meth:`Supervisor.wait`),
+    #: e.g. another node of the job restarting
+    stopped: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.failure is None and self.signal is None
+        return self.failure is None and self.signal is None and self.stopped is None
 
     @property
     def exit_status(self) -> int:
-        """The status a command ends with: 0, the failed rank's code, or 128 + the signal."""
+        """The status a command ends with: 0, the failed rank's code, 128 + the signal, or 1 when stopped."""
         if self.signal is not None:
             return 128 + self.signal
         if self.failure is None:
-            return 0
+            return 0 if self.stopped is None else 1
         code = self.failure.exitcode
         if code is None or code == 0:
             return 1
@@ -310,23 +313,28 @@ class Supervisor:
             self.close()
             raise
 
-    def run(self, report: Callable[[str], object] | None = None) -> JobResult:
+    def run(
+        self, report: Callable[[str], object] | None = None, should_stop: Callable[[], JobResult | None] | None = None
+    ) -> JobResult:
         """Start the ranks, wait for the job's end, and stop whatever is left; the result says how it went.
 
         ``report`` (e.g. a print to stderr) is told why the job is being stopped, before it is: the
-        failed rank and how it ended, or the signal, and the diagnosis of a collective timeout. A
-        signal is passed on to the ranks (Ctrl-C reaches them as a KeyboardInterrupt).
+        failed rank and how it ended, the signal, or why ``should_stop`` (see :meth:`wait`) ended it,
+        and the diagnosis of a collective timeout. A signal is passed on to the ranks (Ctrl-C reaches
+        them as a KeyboardInterrupt).
         """
         self.start()
         result = JobResult()
         try:
-            result = self.wait()
+            result = self.wait(should_stop)
             if report is not None:
                 others = len(self.alive())
                 if result.failure is not None:
                     report(f"{result.failure.describe()}; stopping the other {others} rank(s) on this node")
                 elif result.signal is not None:
                     report(f"received {signal_name(result.signal)}; stopping {others} rank(s) on this node")
+                elif result.stopped is not None:
+                    report(f"{result.stopped}; stopping {others} rank(s) on this node")
                 if result.diagnosis:
                     report(result.diagnosis)
         finally:
@@ -336,8 +344,13 @@ class Supervisor:
             result = replace(result, failure=replace(result.failure, exitcode=handle.poll()))
         return result
 
-    def wait(self) -> JobResult:
-        """Block until every rank succeeded, one failed (the root cause is returned), or a signal came."""
+    def wait(self, should_stop: Callable[[], JobResult | None] | None = None) -> JobResult:
+        """Block until every rank succeeded, one failed (the root cause is returned), or a signal came.
+
+        ``should_stop`` lets a condition outside this node end the wait: it is asked after each look
+        at the ranks (about every :data:`POLL_S` seconds, so keep it cheap or let it throttle itself),
+        and the first result it returns instead of None is returned as is, ranks still running.
+        """
         while True:
             signum = self.signals.take() if self.signals is not None else None
             if signum is not None:
@@ -348,6 +361,9 @@ class Supervisor:
                 return JobResult(failure=self.failure_of(cause), diagnosis=self.diagnose())
             if all(code == 0 for code in self._exit_codes()):
                 return JobResult()
+            stopped = should_stop() if should_stop is not None else None
+            if stopped is not None:
+                return stopped
             self._watch(POLL_S)
 
     def stop(self, signum: int = signal.SIGTERM, grace: float = GRACE_S) -> None:

@@ -100,6 +100,31 @@ def test_a_signal_ends_the_wait_and_reaches_the_ranks() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_an_outside_condition_ends_the_wait_with_its_own_result() -> None:
+    """``should_stop`` (e.g. another node restarting) ends the attempt; its result comes back as it is."""
+    asked = []
+
+    def should_stop() -> JobResult | None:
+        asked.append(time.monotonic())
+        return JobResult(stopped="another node is restarting the job") if len(asked) >= 3 else None
+
+    supervisor = _supervisor({0: ("sleep", 0), 1: ("sleep", 0)})
+    reports: list[str] = []
+    started = time.monotonic()
+    result = supervisor.run(report=reports.append, should_stop=should_stop)
+    assert time.monotonic() - started < 10  # the sleeping ranks were stopped
+    assert result == JobResult(stopped="another node is restarting the job")
+    assert not result.ok and result.exit_status == 1
+    assert reports == ["another node is restarting the job; stopping 2 rank(s) on this node"]
+    assert not supervisor.alive() and len(asked) == 3
+    supervisor.close()
+    # a job that ends by itself never asks for more, and its own result wins
+    failing = _supervisor({0: ("exit3", 0.2)})
+    assert failing.run(should_stop=lambda: None).failure.exitcode == 3
+    failing.close()
+
+
+@pytest.mark.timeout(60)
 def test_descriptors_above_1023_are_watched() -> None:
     """``select`` cannot watch a descriptor above 1023; a big job (or a busy process) has them."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -122,4 +147,5 @@ def test_exit_status_of_each_kind_of_result() -> None:
     assert JobResult(failure=RankFailure(1, 10, -signal.SIGKILL, False)).exit_status == 137
     assert JobResult(failure=RankFailure(1, 10, 5, False)).exit_status == 5
     assert JobResult(failure=RankFailure(1, 10, None, True)).exit_status == 1  # raised, still shutting down
+    assert JobResult(stopped="another node ended the job").exit_status == 1
     assert RankFailure(2, 11, 1, True).describe() == "rank 2 raised an exception (exit code 1) (traceback above), pid 11"

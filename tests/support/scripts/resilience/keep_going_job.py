@@ -1,6 +1,7 @@
 """A 2-rank DDP run that checkpoints every few steps and resumes from its latest checkpoint when started again.
 
     python keep_going_job.py OUTDIR [--die-rank R --die-at S] [--watch-preemption --pace SECONDS] [--strategy fsdp]
+                             [--fixed-buckets]
 
 Started by the tests under ``fabric run``, torchrun or a simulated ``srun`` (the launcher's
 environment decides the ranks). What it does is docs/resume.md's recipe with latest-checkpoint
@@ -11,7 +12,11 @@ discovery:
 - ``--die-rank R --die-at S``: in the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset), rank R
   kills itself with SIGKILL before step S, mid-epoch;
 - ``--watch-preemption``: after every step the loop reads ``fabric.preempted``; when it is True the
-  ranks save, write ``preempted-rank{r}.json`` and exit 0.
+  ranks save, write ``preempted-rank{r}.json`` and exit 0;
+- ``--fixed-buckets``: DDP keeps its first gradient buckets (``find_unused_parameters=True`` turns
+  off the rebuild after the first step). With more than two ranks, a resumed run is bit-exact only
+  so: the rebuild changes where the reduction splits the gradients, so the first step after a resume
+  (still on the first buckets) sums them in another order than the uninterrupted run did.
 
 Each rank writes ``progress-rank{r}`` (steps done) while it runs, and ``final-rank{r}.pt`` (parameters,
 the steps this attempt trained, the attempt number) at the end.
@@ -31,6 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from fabric import Fabric
+from fabric.strategies import DDPStrategy
 
 EPOCHS = 2
 SAVE_EVERY = 3
@@ -69,10 +75,12 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep after each step")
     parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"],
                         help="fsdp: parameters are sharded and checkpoints are folders of shards")
+    parser.add_argument("--fixed-buckets", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=2)
+    strategy = DDPStrategy(find_unused_parameters=True) if args.fixed_buckets else args.strategy
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)
     fabric.launch()
     rank = fabric.global_rank
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -1,0 +1,242 @@
+"""Several nodes that restart together: ``fabric run --num-nodes M --max-restarts N``.
+
+Every node's ``fabric run`` joins torch's elastic rendezvous (the ``c10d`` backend, hosted by the node
+of ``--node-rank 0`` at ``--main-address:--main-port``, M nodes exactly) once per attempt of the job,
+as torchrun's agents do. A round of the rendezvous is an attempt:
+
+* in the round's store (a fresh key space per round) node 0 publishes a free port for the ranks'
+  own rendezvous and the attempt's restart count, so every rank of the attempt meets its peers on a
+  port no earlier attempt used (no stale gloo addresses) and sees the same
+  ``TORCHELASTIC_RESTART_COUNT``; every node also checks that the ``--node-rank`` values form 0..M-1;
+* while the ranks run, the supervisor asks :meth:`NodeRendezvous.should_stop`: a node waiting for the
+  next round (its ranks failed) makes the healthy nodes stop theirs and join it, and a closed
+  rendezvous (a node gave up: restarts exhausted, or a signal) ends the job everywhere;
+* when this node's ranks all succeeded it waits for the other nodes to finish (the node hosting the
+  store leaves last), so nobody loses the store while its ranks still work.
+
+Node ranks (``GROUP_RANK``, hence the global ranks) stay the ones given with ``--node-rank``: a rank
+keeps its number across attempts, so per-rank checkpoint state resumes where it belongs, and the ranks'
+rendezvous address is ``--main-address``, the machine of node rank 0. torch is imported only here,
+only on this path (``fabric run`` stays torch-free otherwise).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fabric._core.env import find_free_port
+from fabric._core.processes import signal_name
+from fabric.strategies.launchers.supervisor import POLL_S, JobResult, SignalPipe, Supervisor, wait_readable
+
+__all__ = ["JOIN_TIMEOUT_S", "OTHER_NODE_RESTARTS", "NodeRendezvous", "default_run_id"]
+
+#: How long a node waits for all nodes to join a round (torchrun's default).
+JOIN_TIMEOUT_S = 600
+#: How often a running node asks the rendezvous whether another node wants a new round.
+CHECK_EVERY_S = 0.5
+#: How long the node hosting the store waits, at the end, for the other nodes to see that the job ended.
+LEAVE_TIMEOUT_S = 10.0
+
+_PORT, _RESTART, _FINISHED, _LEFT = "fabric/ranks_port", "fabric/restart_count", "fabric/finished", "fabric/left"
+#: ``JobResult.stopped`` when another node waits for the next round: the one outside stop that restarts
+OTHER_NODE_RESTARTS = "another node is restarting the job"
+_CLOSED = "another node ended the job (restarts spent, or a signal)"
+
+
+def default_run_id(main_address: str, main_port: int) -> str:
+    """The rendezvous id all nodes of one job derive alike when the user gives none."""
+    return f"fabric-{main_address}-{main_port}"
+
+
+class NodeRendezvous:
+    """This node's place in torch's elastic rendezvous: one round per attempt, shared by all nodes.
+
+    Use :meth:`run` with the node's :class:`Supervisor`; its rank-starting function adds
+    :attr:`attempt_environment` to each rank's variables.
+    """
+
+    def __init__(self, main_address: str, main_port: int, node_rank: int, num_nodes: int, run_id: str | None = None) -> None:
+        self.main_address = main_address
+        self.main_port = main_port
+        self.node_rank = node_rank
+        self.num_nodes = num_nodes
+        self.run_id = run_id or default_run_id(main_address, main_port)
+        #: variables of the current attempt for every rank of this node (port, restart count, run id)
+        self.attempt_environment: dict[str, str] = {}
+        #: the job's restart count of the current attempt, as node 0 announced it
+        self.restart_count = 0
+        self._handler: Any = None
+        self._store: Any = None  # the current round's store
+        self._next_check = 0.0
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.main_address}]" if ":" in self.main_address else self.main_address
+        return f"{host}:{self.main_port}"
+
+    # -- the job ----------------------------------------------------------------------------------
+
+    def run(self, supervisor: Supervisor, max_restarts: int, report: Callable[[str], object]) -> JobResult:
+        """Attempts of the job on this node, each started with the other nodes, up to ``max_restarts`` restarts.
+
+        Ends with the first result that is not restarted: success everywhere, a signal (never
+        restarted), or a failure once the restarts are spent (the failed rank's status).
+        """
+        result: JobResult | None = None
+        try:
+            while True:
+                ended = self._join(supervisor.attempts, supervisor.signals)
+                if ended is not None:  # a signal, or the job ended elsewhere, while waiting for the others
+                    if ended.signal is None and result is not None and result.failure is not None:
+                        ended = result  # our own failure stays the cause and the exit status
+                    result = ended
+                    report(_why(ended))
+                    return ended
+                result = supervisor.run(report, should_stop=self.should_stop)
+                if result.ok:
+                    result = self._finish(supervisor.signals)
+                    if result.ok:
+                        return result
+                    report(_why(result))
+                restart = result.failure is not None or result.stopped == OTHER_NODE_RESTARTS
+                if not restart or self.restart_count >= max_restarts:
+                    return result
+                report(f"restarting the ranks on this node with the other nodes"
+                       f" (restart {self.restart_count + 1} of {max_restarts})")
+        finally:
+            self._leave()
+
+    def should_stop(self) -> JobResult | None:
+        """While the ranks run: a result when another node waits for a new round or closed the rendezvous."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return None
+        self._next_check = now + CHECK_EVERY_S
+        try:
+            if self._handler.is_closed():
+                return JobResult(stopped=_CLOSED)
+            if self._handler.num_nodes_waiting() > 0:
+                return JobResult(stopped=OTHER_NODE_RESTARTS)
+        except Exception as err:  # the store is gone: its host node ended
+            return JobResult(stopped=f"lost the node rendezvous at {self.endpoint} ({type(err).__name__}: {err})")
+        return None
+
+    # -- rounds ------------------------------------------------------------------------------------
+
+    def _join(self, attempts_started: int, signals: SignalPipe | None) -> JobResult | None:
+        """Join the next round with every node (watching for signals meanwhile); None once joined."""
+        outcome: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                outcome["environment"] = self._next_round(attempts_started)
+            except BaseException as err:  # handed to the waiting thread
+                outcome["error"] = err
+
+        worker = threading.Thread(target=join, name="fabric-node-rendezvous", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            signum = signals.take() if signals is not None else None
+            if signum is not None:
+                return JobResult(signal=signum)
+            wait_readable([signals.fd] if signals is not None and signals.fd is not None else [], POLL_S)
+            worker.join(0)
+        if "error" in outcome:
+            return JobResult(stopped=_join_failure(outcome["error"], self.endpoint))
+        self.attempt_environment = outcome["environment"]
+        self._next_check = time.monotonic() + CHECK_EVERY_S
+        return None
+
+    def _next_round(self, attempts_started: int) -> dict[str, str]:
+        if self._handler is None:
+            self._handler = self._connect()
+        info = self._handler.next_rendezvous()
+        store = self._store = info.store
+        if self.node_rank == 0:
+            store.set(_RESTART, str(attempts_started))
+            store.set(_PORT, str(find_free_port("")))
+        store.set(f"fabric/node_rank_of/{info.rank}", str(self.node_rank))
+        node_ranks = sorted(int(store.get(f"fabric/node_rank_of/{rank}")) for rank in range(info.world_size))
+        if node_ranks != list(range(self.num_nodes)):
+            raise ValueError(
+                f"the nodes joined with --node-rank values {node_ranks}; each of the {self.num_nodes} nodes needs"
+                f" its own --node-rank, accepted: 0 .. {self.num_nodes - 1}"
+            )
+        self.restart_count = int(store.get(_RESTART))
+        return {
+            "MASTER_PORT": store.get(_PORT).decode(),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+        }
+
+    def _connect(self) -> Any:
+        """The c10d rendezvous handler; the node of node rank 0 hosts its store."""
+        from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+
+        parameters = RendezvousParameters(
+            backend="c10d", endpoint=self.endpoint, run_id=self.run_id, min_nodes=self.num_nodes,
+            max_nodes=self.num_nodes, is_host=self.node_rank == 0, join_timeout=JOIN_TIMEOUT_S,
+        )
+        return rendezvous_handler_registry.create_handler(parameters)
+
+    def _finish(self, signals: SignalPipe | None) -> JobResult:
+        """This node's ranks all succeeded: wait until every node's did (or the job goes on without us)."""
+        try:
+            self._store.add(_FINISHED, 1)
+            while self._store.add(_FINISHED, 0) < self.num_nodes:
+                signum = signals.take() if signals is not None else None
+                if signum is not None:
+                    return JobResult(signal=signum)
+                stopped = self.should_stop()
+                # another node's ranks may have finished and closed the round between our two looks
+                if stopped is not None and self._store.add(_FINISHED, 0) < self.num_nodes:
+                    return stopped
+                wait_readable([signals.fd] if signals is not None and signals.fd is not None else [], POLL_S)
+        except Exception as err:
+            return JobResult(stopped=f"lost the node rendezvous at {self.endpoint} ({type(err).__name__}: {err})")
+        return JobResult()
+
+    def _leave(self) -> None:
+        """Close the rendezvous (the job is over: the others stop too) and leave; the store's host leaves last.
+
+        The store lives in the process of node 0: it waits (a bounded time) until the other nodes have
+        seen the end, so none of them meets a vanished store instead of a closed rendezvous.
+        """
+        if self._handler is None:
+            return
+        handler, store, self._handler, self._store = self._handler, self._store, None, None
+        try:
+            handler.shutdown()
+            if store is None:
+                return
+            if self.node_rank != 0:
+                store.add(_LEFT, 1)
+                return
+            deadline = time.monotonic() + LEAVE_TIMEOUT_S
+            while store.add(_LEFT, 0) < self.num_nodes - 1 and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        except Exception:  # the store is gone already: nothing left to tell anybody
+            pass
+
+
+def _why(result: JobResult) -> str:
+    if result.signal is not None:
+        return f"received {signal_name(result.signal)} while waiting for the other nodes"
+    if result.failure is not None:
+        return result.failure.describe()
+    return str(result.stopped)
+
+
+def _join_failure(error: BaseException, endpoint: str) -> str:
+    name = type(error).__name__
+    if name == "RendezvousClosedError":
+        return _CLOSED
+    if name == "RendezvousTimeoutError":
+        return f"not every node joined the node rendezvous at {endpoint} within {JOIN_TIMEOUT_S} s"
+    if isinstance(error, ValueError):
+        return f"error: {error}"
+    cause = f" ({type(error.__cause__).__name__}: {error.__cause__})" if error.__cause__ is not None else ""
+    return f"the node rendezvous at {endpoint} failed: {name}: {error}{cause}"
