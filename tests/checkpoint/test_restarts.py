@@ -207,9 +207,9 @@ def test_two_nodes_give_up_together_when_the_restarts_are_spent(tmp_path) -> Non
 def test_a_signal_to_one_node_ends_every_node_without_a_restart(tmp_path) -> None:
     nodes = _two_nodes(["--max-restarts", 1], [NODE_ATTEMPTS, tmp_path])
     wait_for_files(tmp_path, "attempt0-rank*.json", 4, timeout=120)
-    nodes[0].send_signal(signal.SIGTERM)
+    nodes[0].send_signal(signal.SIGINT)  # Ctrl-C: stops the job at once (SIGTERM may be a pre-emption warning)
     (code0, _, err0), (code1, _, err1) = finish(nodes, 60)
-    assert code0 == 128 + signal.SIGTERM, err0[-3000:]
+    assert code0 == 128 + signal.SIGINT, err0[-3000:]
     assert code1 != 0 and "another node ended the job" in err1, err1[-3000:]
     assert not list(tmp_path.glob("attempt1-*")), "a signal must never restart the job"
 
@@ -235,3 +235,19 @@ def test_a_restarted_attempt_never_reads_the_failed_attempts_addresses() -> None
     for code, out, err in second:
         assert code == 0 and "sum 3" in out, f"attempt 1 failed:\n{out}\n{err[-3000:]}"
     del agent_store
+
+
+@pytest.mark.timeout(120)
+def test_a_node_waiting_for_the_others_ends_at_once_on_a_signal(tmp_path) -> None:
+    """Node 1 alone (node 0 never comes): it waits in the rendezvous, yet Ctrl-C ends it within seconds."""
+    lone = start(fabric_run("--devices", 2, "--num-nodes", 2, "--node-rank", 1, "--main-port", free_port(),
+                            "--max-restarts", 1, NODE_ATTEMPTS, tmp_path), env=clean_env(OMP_NUM_THREADS="1"))
+    time.sleep(4)  # started, its signal handling installed, waiting for node 0's store
+    assert lone.poll() is None
+    signalled = time.monotonic()
+    lone.send_signal(signal.SIGINT)
+    [(code, _, err)] = finish([lone], 60)
+    assert code == 128 + signal.SIGINT, err[-3000:]
+    assert time.monotonic() - signalled < 10
+    assert "received SIGINT while waiting for the other nodes" in err, err[-3000:]
+    assert not list(tmp_path.glob("attempt*")), "no rank starts before every node joined"

@@ -90,10 +90,10 @@ class NodeRendezvous:
             while True:
                 ended = self._join(supervisor.attempts, supervisor.signals)
                 if ended is not None:  # a signal, or the job ended elsewhere, while waiting for the others
-                    if ended.signal is None and result is not None and result.failure is not None:
-                        ended = result  # our own failure stays the cause and the exit status
-                    result = ended
                     report(_why(ended))
+                    if ended.signal is None and result is not None and result.failure is not None:
+                        return result  # our own failure stays the cause and the exit status
+                    result = ended
                     return ended
                 result = supervisor.run(report, should_stop=self.should_stop)
                 if result.ok:
@@ -223,10 +223,9 @@ class NodeRendezvous:
 
 
 def _why(result: JobResult) -> str:
+    """Why waiting for the other nodes (to join, or to finish) ended: a signal, or a ``stopped`` reason."""
     if result.signal is not None:
         return f"received {signal_name(result.signal)} while waiting for the other nodes"
-    if result.failure is not None:
-        return result.failure.describe()
     return str(result.stopped)
 
 
