@@ -251,3 +251,15 @@ def test_a_node_waiting_for_the_others_ends_at_once_on_a_signal(tmp_path) -> Non
     assert time.monotonic() - signalled < 10
     assert "received SIGINT while waiting for the other nodes" in err, err[-3000:]
     assert not list(tmp_path.glob("attempt*")), "no rank starts before every node joined"
+
+
+@pytest.mark.timeout(150)
+def test_nodes_given_the_same_node_rank_are_told_so_and_end(tmp_path) -> None:
+    port = free_port()
+    nodes = [start(fabric_run("--devices", 1, "--num-nodes", 3, "--node-rank", node, "--main-port", port,
+                              "--max-restarts", 1, NODE_ATTEMPTS, tmp_path), env=clean_env(OMP_NUM_THREADS="1"))
+             for node in (0, 1, 1)]
+    for code, _, err in finish(nodes, 120):
+        assert code == 1, err[-3000:]
+        assert "the nodes joined with --node-rank values [0, 1, 1]; each of the 3 nodes needs its own" in err, err
+    assert not list(tmp_path.glob("attempt*")), "no rank starts in a job whose nodes disagree"
