@@ -17,8 +17,10 @@ Details worth knowing:
 
 * Each rank is its own process group (so it is stopped together with its subprocesses) and never
   outlives `fabric run`, even when that is killed with SIGKILL (see ``launchers.rank_side``).
-* SIGINT/SIGTERM/SIGHUP to `fabric run` are passed to every rank; after the supervisor's grace time
-  what is left is killed; the exit status is 128 + the signal.
+* SIGUSR1 and SIGTERM (the cluster's pre-emption warnings) are passed on to every rank's own
+  process, which decides when to stop (``fabric.preempted``); after SIGTERM the ranks get
+  ``--shutdown-timeout`` seconds to end, and the job ends with their status (``launchers.signals``).
+  SIGINT, SIGHUP or a second SIGTERM stop every rank at once: exit status 128 + the signal.
 * When several ranks fail, the root cause is reported and its status returned: a rank that died
   outright before ranks that raised (their errors are echoes), else the rank that raised first.
 * A rank whose collective timed out is diagnosed as under the launchers: which rank never arrived,
@@ -125,6 +127,16 @@ def _non_negative_int(option: str) -> Any:
     return parse
 
 
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if 0 <= seconds < float("inf"):  # NaN too is refused
+        return seconds
+    raise argparse.ArgumentTypeError(f"--shutdown-timeout={value!r} is not valid; accepted: a number of seconds >= 0")
+
+
 def _port(value: str) -> int:
     if value.strip().isdigit() and 1 <= int(value) <= 65535:
         return int(value)
@@ -175,6 +187,11 @@ def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
             default=None, metavar="ID",
             help="With --max-restarts and several nodes: the job's id in the nodes' rendezvous, the same on"
             " every node. Default: derived from --main-address and --main-port."),
+        ),
+        ("shutdown_timeout", ("--shutdown-timeout", "--shutdown_timeout"), dict(
+            type=_seconds, default=None, metavar="S",
+            help="After SIGTERM, passed on to the ranks, wait up to S seconds for them to end before they are"
+            " killed (torchrun's option). Default: 30."),
         ),
         ("precision", ("--precision",), dict(
             type=_choice("--precision", PRECISIONS), default=None, metavar="P",
@@ -268,6 +285,7 @@ class RunConfig:
     given: frozenset[str]  # the options the user wrote
     max_restarts: int = 0
     rdzv_id: str | None = None
+    shutdown_timeout: float | None = None  # None: the supervisor's default
 
 
 def parse_run_args(argv: Sequence[str]) -> RunConfig:
@@ -311,6 +329,7 @@ def parse_run_args(argv: Sequence[str]) -> RunConfig:
         given=given,
         max_restarts=args.max_restarts,
         rdzv_id=args.rdzv_id,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -372,18 +391,24 @@ def _ignore(signum: int, frame: Any) -> None:
 
 
 def _run_ranks(
-    command: list[str], envs: dict[int, dict[str, str]], max_restarts: int = 0, nodes: NodeRendezvous | None = None
+    command: list[str],
+    envs: dict[int, dict[str, str]],
+    max_restarts: int = 0,
+    nodes: NodeRendezvous | None = None,
+    shutdown_timeout: float | None = None,
 ) -> int:
-    """Start the ranks of this node under one supervisor; the first failure or a signal stops them all.
+    """Start the ranks of this node under one supervisor; the first failure or a stop signal ends them all.
 
-    After a failure (not a signal) the ranks are started again, up to ``max_restarts`` times, each
-    attempt with ``TORCHELASTIC_RESTART_COUNT`` set as torchrun sets it; with several nodes, every
-    node's attempts go together through ``nodes`` (torch's elastic rendezvous).
+    After a failure (not a signal, nor a pre-emption warning passed on) the ranks are started again,
+    up to ``max_restarts`` times, each attempt with ``TORCHELASTIC_RESTART_COUNT`` set as torchrun sets
+    it; with several nodes, every node's attempts go together through ``nodes`` (torch's elastic rendezvous).
     """
     from fabric.strategies.launchers.command_rank import CommandRank
-    from fabric.strategies.launchers.supervisor import SignalPipe, Supervisor
+    from fabric.strategies.launchers.signals import FORWARDED_SIGNALS, SignalForwarding, SignalPipe
+    from fabric.strategies.launchers.supervisor import Supervisor
 
-    watched = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    stops = [s for s in (signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
+    watched = [*stops, *FORWARDED_SIGNALS]  # SIGTERM, SIGUSR1: passed on to the ranks
     # Python lets only the main thread handle signals; from another thread they keep their effect
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _ignore) for s in watched} if main_thread else {}
@@ -396,10 +421,11 @@ def _run_ranks(
         # local rank 0 keeps the terminal's stdin, as under torchrun
         return CommandRank(rank, command, env, job_dir, keep_stdin=rank == first)
 
-    supervisor = Supervisor(start_rank, sorted(envs), signals=signals)
+    forwarding = SignalForwarding(shutdown_timeout, report=_say)
+    supervisor = Supervisor(start_rank, sorted(envs), signals=signals, forwarding=forwarding)
     try:
         result = nodes.run(supervisor, max_restarts, _say) if nodes else supervisor.run(report=_say)
-        while not nodes and result.failure is not None and supervisor.attempts <= max_restarts:
+        while not nodes and result.restartable and supervisor.attempts <= max_restarts:
             _say(f"restarting the ranks on this node (restart {supervisor.attempts} of {max_restarts})")
             result = supervisor.run(report=_say)
     finally:
@@ -439,7 +465,7 @@ def run(config: RunConfig) -> int:
         from fabric.strategies.launchers.node_rendezvous import NodeRendezvous
 
         nodes = NodeRendezvous(config.main_address, main_port, config.node_rank, config.num_nodes, config.rdzv_id)
-    return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts, nodes)
+    return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts, nodes, config.shutdown_timeout)
 
 
 # ---- entry point --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fabric import cli
+from fabric.strategies.launchers.signals import SHUTDOWN_TIMEOUT_S
 from support import PYTHON
 from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
 from support.loading import script_path
@@ -42,9 +43,10 @@ def test_run_help_lists_every_option_with_lightning_names(capsys: pytest.Capture
     assert code == 0
     assert out.startswith("usage: fabric run [options] SCRIPT [SCRIPT_ARGS ...]")
     for flag in ("--accelerator", "--strategy", "--devices", "--num-nodes", "--num_nodes", "--node-rank",
-                 "--main-address", "--main-port", "--precision"):
+                 "--main-address", "--main-port", "--precision", "--max-restarts", "--shutdown-timeout"):
         assert flag in out
     assert "29400" in out and "127.0.0.1" in out
+    assert f"Default: {SHUTDOWN_TIMEOUT_S:g}." in " ".join(out.split())  # the policy's own default
 
 
 @pytest.mark.timeout(10)
@@ -110,6 +112,9 @@ def test_the_core_and_the_environments_import_no_torch() -> None:
         (["--num-nodes", "2", "--node-rank", "2"], ["--node-rank=2", "0 .. 1"]),
         (["--node-rank", "1"], ["--node-rank=1", "0 .. 0"]),
         (["--main-port", "70000"], ["'70000'", "1..65535"]),
+        (["--shutdown-timeout", "-1"], ["--shutdown-timeout='-1'", "seconds >= 0"]),
+        (["--shutdown-timeout", "soon"], ["--shutdown-timeout='soon'", "seconds >= 0"]),
+        (["--shutdown-timeout", "nan"], ["--shutdown-timeout='nan'", "seconds >= 0"]),
         (["--unknown-flag"], ["unrecognized arguments: --unknown-flag"]),
     ],
 )
@@ -159,6 +164,8 @@ def test_defaults_are_lightning_fabric_ones() -> None:
     assert (config.accelerator, config.strategy, config.devices, config.num_nodes, config.node_rank,
             config.main_address, config.precision) == (None, None, "1", 1, 0, "127.0.0.1", None)
     assert cli.DEFAULT_MAIN_PORT == 29400
+    assert config.shutdown_timeout is None  # the supervisor's default (30 s, as torchrun)
+    assert cli.parse_run_args(["--shutdown-timeout", "2.5", str(RANKS_ENV)]).shutdown_timeout == 2.5
 
 
 @pytest.mark.timeout(10)

@@ -4,7 +4,8 @@ cleanly; under SLURM the job is requeued and the requeued job resumes exactly.
 Real processes and real signals: a 2-rank job (``support/scripts/resilience/keep_going_job.py``) under a
 simulated ``srun`` (the SLURM variables each task gets, and a stand-in ``scontrol`` on PATH that
 records its arguments) or under Fabric's own launcher. The signal goes to ONE rank; the collective
-behind ``fabric.preempted`` must tell the other.
+behind ``fabric.preempted`` must tell the other. Under ``fabric run`` the signal goes to the launcher,
+as SLURM and Kubernetes send it, and `fabric run` passes it on to the ranks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from support import PYTHON
 from support.environment import clean_env, free_port
 from support.loading import script_path
-from support.processes import finish, start
+from support.processes import fabric_run, finish, start
 
 JOB = script_path("resilience", "keep_going_job.py")
 TOTAL_STEPS = 16  # 2 epochs x 8 steps per rank (64 samples, batch 4, 2 ranks)
@@ -113,12 +114,7 @@ def test_sigusr1_under_slurm_stops_all_ranks_at_one_step_requeues_and_the_requeu
              for env in _srun_envs(tmp_path, bin_dir, "4242", restart_count=1)]
     for rank, (code, out, err) in enumerate(finish(procs, 150)):
         assert code == 0, f"requeued rank {rank} exited with {code}:\n{out}\n{err[-4000:]}"
-    for rank in range(2):
-        resumed, reference = _final_params(tmp_path, rank), _final_params(uninterrupted, rank)
-        assert resumed["resumed_from"] == stopped_at
-        assert resumed["trained"] == list(range(stopped_at + 1, TOTAL_STEPS + 1))
-        for name, value in reference["params"].items():
-            assert torch.equal(resumed["params"][name], value), f"rank {rank}: {name} differs from the uninterrupted run"
+    _assert_final_params_match(tmp_path, uninterrupted, stopped_at)
     assert (tmp_path / "scontrol.log").read_text().splitlines() == ["requeue 4242"]  # not pre-empted again
 
 
@@ -138,6 +134,45 @@ def test_sigterm_to_the_launching_process_stops_every_rank_cleanly_without_reque
     assert records[0]["step"] == records[1]["step"], records
     assert (tmp_path / "checkpoints" / f"step-{records[0]['step']:05d}.ckpt").exists()
     assert not (tmp_path / "scontrol.log").exists(), "not a SLURM job: nothing to requeue"
+
+
+def _assert_resumes_exactly(folder: Path, uninterrupted: Path, stopped_at: int, command: list[str]) -> None:
+    """Run the job again from the checkpoint it left; it must end torch.equal to the uninterrupted run."""
+    [(code, out, err)] = finish([start(command, env=clean_env(OMP_NUM_THREADS="1"))], 150)
+    assert code == 0, f"the resumed job exited with {code}:\n{out}\n{err[-4000:]}"
+    _assert_final_params_match(folder, uninterrupted, stopped_at)
+
+
+def _assert_final_params_match(folder: Path, uninterrupted: Path, stopped_at: int) -> None:
+    for rank in range(2):
+        resumed, reference = _final_params(folder, rank), _final_params(uninterrupted, rank)
+        assert resumed["resumed_from"] == stopped_at
+        assert resumed["trained"] == list(range(stopped_at + 1, TOTAL_STEPS + 1))
+        for name, value in reference["params"].items():
+            assert torch.equal(resumed["params"][name], value), f"rank {rank}: {name} differs from the uninterrupted run"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_signal_to_fabric_run_reaches_every_rank_which_stop_at_one_step_and_the_next_run_resumes_exactly(
+    tmp_path: Path, uninterrupted: Path, signum: int
+) -> None:
+    """SLURM's ``--signal=USR1@90`` and Kubernetes' SIGTERM reach the launcher; the ranks save and exit 0."""
+    command = fabric_run("--devices", "2", JOB, tmp_path)
+    proc = start([*command, "--watch-preemption", "--pace", "0.3"], env=clean_env(OMP_NUM_THREADS="1"))
+    try:
+        _wait_for_step(tmp_path, rank=1, step=4, procs=[proc])
+        proc.send_signal(signum)
+    finally:
+        [(code, out, err)] = finish([proc], 120)
+    assert code == 0, f"fabric run exited with {code}:\n{out}\n{err[-4000:]}"
+    assert f"received {signal.Signals(signum).name}; passed it on to 2 rank(s)" in err
+    records = [json.loads((tmp_path / f"preempted-rank{r}.json").read_text()) for r in (0, 1)]
+    assert records[0]["step"] == records[1]["step"], f"ranks stopped at different steps: {records}"
+    stopped_at = records[0]["step"]
+    assert 4 <= stopped_at < TOTAL_STEPS
+    assert (tmp_path / "checkpoints" / f"step-{stopped_at:05d}.ckpt").exists()
+    _assert_resumes_exactly(tmp_path, uninterrupted, stopped_at, command)
 
 
 _ONE_PROCESS = textwrap.dedent(

@@ -29,7 +29,8 @@ from typing import Any
 
 from fabric._core.env import find_free_port
 from fabric._core.processes import signal_name
-from fabric.strategies.launchers.supervisor import POLL_S, JobResult, SignalPipe, Supervisor, wait_readable
+from fabric.strategies.launchers.signals import SignalPipe
+from fabric.strategies.launchers.supervisor import POLL_S, JobResult, Supervisor, wait_readable
 
 __all__ = ["JOIN_TIMEOUT_S", "OTHER_NODE_RESTARTS", "NodeRendezvous", "default_run_id"]
 
@@ -101,7 +102,7 @@ class NodeRendezvous:
                     if result.ok:
                         return result
                     report(_why(result))
-                restart = result.failure is not None or result.stopped == OTHER_NODE_RESTARTS
+                restart = result.restartable or result.stopped == OTHER_NODE_RESTARTS
                 if not restart or self.restart_count >= max_restarts:
                     return result
                 report(f"restarting the ranks on this node with the other nodes"

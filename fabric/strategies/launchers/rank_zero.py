@@ -20,7 +20,8 @@ from typing import Any
 
 from fabric._core.processes import descendant_pids, flush_stdio, kill_processes, signal_name
 from fabric.strategies.launchers.rank_side import print_rank_exception, write_stderr
-from fabric.strategies.launchers.supervisor import GRACE_S, POLL_S, JobResult, SignalPipe, Supervisor, only_in_this_process
+from fabric.strategies.launchers.signals import SignalPipe
+from fabric.strategies.launchers.supervisor import GRACE_S, POLL_S, JobResult, Supervisor, only_in_this_process
 
 __all__ = ["RankZeroSupervision"]
 

@@ -15,6 +15,7 @@ ends or reports); everything else is decided here, once:
 * **The diagnosis** of a collective timeout (which rank never arrived, and where each one was) is
   made before any rank is stopped, while the stuck ones can still be asked for their stacks.
 * **Stopping**: SIGTERM to every rank's process group, :data:`GRACE_S` seconds, then SIGKILL.
+* **Pre-emption warnings** are passed on to the ranks where a :class:`SignalForwarding` is given.
 * **Results are data**: :meth:`Supervisor.wait` returns a :class:`JobResult` (nothing failed, which
   rank failed and how, or which signal the supervisor was asked to stop for); the caller decides
   what to do: exit with its status, raise :class:`RankFailedError`, or start the ranks again.
@@ -29,12 +30,13 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from fabric._core.processes import kill_process_groups, signal_name
 from fabric.strategies.launchers.diagnosis import create_job_dir, diagnose, remove_job_dir
+from fabric.strategies.launchers.signals import SignalForwarding, SignalPipe
 
 __all__ = [
     "GRACE_S",
@@ -44,7 +46,6 @@ __all__ = [
     "RankFailure",
     "RankProcess",
     "SETTLE_S",
-    "SignalPipe",
     "Supervisor",
     "describe_exit",
     "only_in_this_process",
@@ -150,10 +151,17 @@ class JobResult:
     #: why an outside condition ended the attempt (see ``should_stop`` of :meth:`Supervisor.wait`),
     #: e.g. another node of the job restarting
     stopped: str | None = None
+    #: a pre-emption warning passed on to the ranks before the end (see ``signals``)
+    forwarded: int | None = None
 
     @property
     def ok(self) -> bool:
         return self.failure is None and self.signal is None and self.stopped is None
+
+    @property
+    def restartable(self) -> bool:
+        """A rank failed on its own: neither a signal nor a pre-emption warning ended the attempt."""
+        return self.failure is not None and self.signal is None and self.forwarded is None
 
     @property
     def exit_status(self) -> int:
@@ -166,66 +174,6 @@ class JobResult:
         if code is None or code == 0:
             return 1
         return 128 - code if code < 0 else code
-
-
-class SignalPipe:
-    """Signals delivered to this process, readable as a descriptor by any thread.
-
-    Python runs signal handlers only in the main thread, between bytecodes; a main thread blocked in a
-    collective would never see them. Through ``signal.set_wakeup_fd`` the C-level handler writes each
-    signal number to a pipe at once, so a supervisor waiting in ``poll`` wakes up and acts. Only
-    installed from the main thread and only when nobody else (an event loop) owns the wakeup fd.
-    """
-
-    def __init__(self, watched: Iterable[int]) -> None:
-        self.watched = set(watched)
-        self.fd: int | None = None
-        self._write_fd: int | None = None
-        if threading.current_thread() is not threading.main_thread():
-            return
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(read_fd, False)
-        os.set_blocking(write_fd, False)
-        try:
-            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        except (ValueError, OSError):
-            previous = None
-        if previous != -1:
-            if previous is not None:
-                signal.set_wakeup_fd(previous)  # somebody else's: leave it to them
-            os.close(read_fd)
-            os.close(write_fd)
-            return
-        self.fd, self._write_fd = read_fd, write_fd
-
-    def take(self) -> int | None:
-        """The first watched signal that arrived since the last call, or None."""
-        if self.fd is None:
-            return None
-        try:
-            data = os.read(self.fd, 512)
-        except OSError:  # nothing there (non-blocking read)
-            return None
-        return next((signum for signum in data if signum in self.watched), None)
-
-    def release_after_fork(self) -> None:
-        """In a forked copy of this process: stop feeding the pipe, which belongs to the parent."""
-        if self._write_fd is None:
-            return
-        try:
-            previous = signal.set_wakeup_fd(-1)
-            if previous != self._write_fd:
-                signal.set_wakeup_fd(previous)  # not ours any more: leave it alone
-        except (ValueError, OSError):
-            pass
-
-    def close(self) -> None:
-        if self.fd is None or self._write_fd is None:
-            return
-        self.release_after_fork()  # the same step: this process stops feeding the pipe
-        os.close(self.fd)
-        os.close(self._write_fd)
-        self.fd = self._write_fd = None
 
 
 def only_in_this_process(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
@@ -272,6 +220,7 @@ class Supervisor:
         own_rank: the rank of the calling process when it is itself one (rank 0 under popen): its
             stack then appears in a diagnosis.
         signals: signals that end :meth:`wait` with ``JobResult(signal=...)``.
+        forwarding: passes pre-emption warnings among ``signals`` on to the ranks instead (``fabric run``).
 
     ``run()`` is start, wait, stop; calling it again starts every rank anew, which is where restarts
     live. :meth:`stop` may be called from another thread while :meth:`wait` runs: ``wait`` then
@@ -284,11 +233,13 @@ class Supervisor:
         ranks: Sequence[int],
         own_rank: int | None = None,
         signals: SignalPipe | None = None,
+        forwarding: SignalForwarding | None = None,
     ) -> None:
         self._start_rank = start_rank
         self.rank_ids = list(ranks)
         self.own_rank = own_rank
         self.signals = signals
+        self.forwarding = forwarding
         #: the folder for the ranks' tracebacks and stacks, one per attempt (made by :meth:`start`)
         self.job_dir: str | None = None
         self.ranks: list[RankProcess] = []
@@ -305,6 +256,8 @@ class Supervisor:
         job_dir = self.job_dir = create_job_dir()
         self.ranks, self._ended_at = [], {}
         self.attempts += 1
+        if self.forwarding is not None:
+            self.forwarding.reset()
         try:
             for rank in self.rank_ids:
                 self.ranks.append(self._start_rank(rank, job_dir))
@@ -332,7 +285,8 @@ class Supervisor:
                 if result.failure is not None:
                     report(f"{result.failure.describe()}; stopping the other {others} rank(s) on this node")
                 elif result.signal is not None:
-                    report(f"received {signal_name(result.signal)}; stopping {others} rank(s) on this node")
+                    why = self.forwarding.stop_reason(result.signal) if self.forwarding else f"received {signal_name(result.signal)}"
+                    report(f"{why}; stopping {others} rank(s) on this node")
                 elif result.stopped is not None:
                     report(f"{result.stopped}; stopping {others} rank(s) on this node")
                 if result.diagnosis:
@@ -351,16 +305,24 @@ class Supervisor:
         at the ranks (about every :data:`POLL_S` seconds, so keep it cheap or let it throttle itself),
         and the first result it returns instead of None is returned as is, ranks still running.
         """
+        forwarding = self.forwarding
         while True:
             signum = self.signals.take() if self.signals is not None else None
+            if signum is not None and forwarding is not None:
+                # only running ranks are signalled: an ended (reaped) rank's pid may be someone else's by now
+                if not forwarding.stops_job(signum, [h.pid for h in self.alive() if h.pid is not None]):
+                    signum = None
+            forwarded = forwarding.forwarded if forwarding is not None else None
             if signum is not None:
-                return JobResult(signal=signum)
+                return JobResult(signal=signum, forwarded=forwarded)
             if self._failed():
                 cause = self.root_cause()
                 assert cause is not None
-                return JobResult(failure=self.failure_of(cause), diagnosis=self.diagnose())
+                return JobResult(failure=self.failure_of(cause), diagnosis=self.diagnose(), forwarded=forwarded)
             if all(code == 0 for code in self._exit_codes()):
-                return JobResult()
+                return JobResult(forwarded=forwarded)
+            if forwarding is not None and forwarding.overdue():
+                return JobResult(signal=signal.SIGTERM, forwarded=forwarded)
             stopped = should_stop() if should_stop is not None else None
             if stopped is not None:
                 return stopped

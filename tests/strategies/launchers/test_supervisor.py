@@ -16,7 +16,8 @@ import time
 import pytest
 
 from fabric.strategies.launchers.command_rank import CommandRank
-from fabric.strategies.launchers.supervisor import JobResult, RankFailure, SignalPipe, Supervisor
+from fabric.strategies.launchers.signals import SignalPipe
+from fabric.strategies.launchers.supervisor import JobResult, RankFailure, Supervisor
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the supervisor tests use pidfds and /proc", allow_module_level=True)
