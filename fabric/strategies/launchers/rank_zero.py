@@ -144,7 +144,7 @@ class RankZeroSupervision:
                     self._end_as_decided()
                     return
                 if self._thread is None or not self._thread.is_alive():
-                    self._act(self.supervisor.wait())
+                    self._act(self._wait())
         except KeyboardInterrupt:
             self._abort_for_signal(signal.SIGINT, grace=0.0)
 
@@ -163,7 +163,27 @@ class RankZeroSupervision:
     # -- the monitor thread ------------------------------------------------------------------------
 
     def _monitor(self) -> None:
-        self._act(self.supervisor.wait())
+        self._act(self._wait())
+
+    def _wait(self) -> JobResult:
+        """The supervisor's result, passing over signals that rank 0's own code now handles.
+
+        The pipe carries SIGTERM (and SIGINT) because they were ours when the job started; once the
+        script installs its own handler (``fabric.preempted`` does, to hear the cluster's warning),
+        the signal is the script's to act on and the job goes on.
+        """
+        while True:
+            result = self.supervisor.wait()
+            if result.signal is None or self._handles(result.signal):
+                return result
+
+    def _handles(self, signum: int) -> bool:
+        """Whether ``signum`` still ends the job here (rank 0's handler for it is still ours)."""
+        ours = signal.default_int_handler if signum == signal.SIGINT else getattr(self, "_sigterm_handler", None)
+        try:
+            return signal.getsignal(signum) is ours
+        except (ValueError, OSError):
+            return True
 
     def _act(self, result: JobResult) -> None:
         if result.signal is not None:
