@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -386,15 +384,8 @@ def _say(message: str) -> None:
     sys.stderr.flush()
 
 
-def _ignore(signum: int, frame: Any) -> None:
-    """Signals the supervisor handles: the signal pipe has woken it; nothing else to do here."""
-
-
 def _run_ranks(
-    command: list[str],
-    envs: dict[int, dict[str, str]],
-    max_restarts: int = 0,
-    nodes: NodeRendezvous | None = None,
+    command: list[str], envs: dict[int, dict[str, str]], max_restarts: int = 0, nodes: NodeRendezvous | None = None,
     shutdown_timeout: float | None = None,
 ) -> int:
     """Start the ranks of this node under one supervisor; the first failure or a stop signal ends them all.
@@ -404,15 +395,9 @@ def _run_ranks(
     it; with several nodes, every node's attempts go together through ``nodes`` (torch's elastic rendezvous).
     """
     from fabric.strategies.launchers.command_rank import CommandRank
-    from fabric.strategies.launchers.signals import FORWARDED_SIGNALS, SignalForwarding, SignalPipe
+    from fabric.strategies.launchers.signals import SignalForwarding, supervising_signals
     from fabric.strategies.launchers.supervisor import Supervisor
 
-    stops = [s for s in (signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
-    watched = [*stops, *FORWARDED_SIGNALS]  # SIGTERM, SIGUSR1: passed on to the ranks
-    # Python lets only the main thread handle signals; from another thread they keep their effect
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, _ignore) for s in watched} if main_thread else {}
-    signals = SignalPipe(watched)
     first = min(envs)
 
     def start_rank(rank: int, job_dir: str) -> CommandRank:
@@ -421,18 +406,17 @@ def _run_ranks(
         # local rank 0 keeps the terminal's stdin, as under torchrun
         return CommandRank(rank, command, env, job_dir, keep_stdin=rank == first)
 
-    forwarding = SignalForwarding(shutdown_timeout, report=_say)
-    supervisor = Supervisor(start_rank, sorted(envs), signals=signals, forwarding=forwarding)
-    try:
-        result = nodes.run(supervisor, max_restarts, _say) if nodes else supervisor.run(report=_say)
-        while not nodes and result.restartable and supervisor.attempts <= max_restarts:
-            _say(f"restarting the ranks on this node (restart {supervisor.attempts} of {max_restarts})")
-            result = supervisor.run(report=_say)
-    finally:
-        supervisor.close()
-        signals.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    # SIGINT/SIGHUP stop the job; SIGTERM/SIGUSR1 are passed on to the ranks (launchers/signals.py)
+    with supervising_signals() as signals:
+        forwarding = SignalForwarding(shutdown_timeout, report=_say)
+        supervisor = Supervisor(start_rank, sorted(envs), signals=signals, forwarding=forwarding)
+        try:
+            result = nodes.run(supervisor, max_restarts, _say) if nodes else supervisor.run(report=_say)
+            while not nodes and result.restartable and supervisor.attempts <= max_restarts:
+                _say(f"restarting the ranks on this node (restart {supervisor.attempts} of {max_restarts})")
+                result = supervisor.run(report=_say)
+        finally:
+            supervisor.close()
     return result.exit_status
 
 

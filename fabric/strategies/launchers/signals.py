@@ -29,11 +29,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from fabric._core.processes import signal_name
 
-__all__ = ["FORWARDED_SIGNALS", "SHUTDOWN_TIMEOUT_S", "SignalForwarding", "SignalPipe"]
+__all__ = ["FORWARDED_SIGNALS", "SHUTDOWN_TIMEOUT_S", "SignalForwarding", "SignalPipe", "supervising_signals"]
 
 #: the warnings passed on to the ranks instead of stopping the job
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -162,3 +164,26 @@ class SignalForwarding:
     def _say(self, message: str) -> None:
         if self.report is not None:
             self.report(message)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """A signal the supervisor acts on: the signal pipe has woken it; nothing else to do here."""
+
+
+@contextmanager
+def supervising_signals() -> Iterator[SignalPipe]:
+    """While a command supervises ranks: SIGINT, SIGHUP, SIGTERM and SIGUSR1 reach the pipe, not their default action.
+
+    Without this, SIGTERM or SIGUSR1 would end the supervising process and leave its ranks unattended.
+    Python lets only the main thread set handlers; from another thread the signals keep their effect.
+    """
+    watched = [s for s in (signal.SIGINT, getattr(signal, "SIGHUP", None), *FORWARDED_SIGNALS) if s is not None]
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.signal(signum, _ignore) for signum in watched} if main_thread else {}
+    pipe = SignalPipe(watched)
+    try:
+        yield pipe
+    finally:
+        pipe.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
