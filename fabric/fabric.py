@@ -26,11 +26,11 @@ from fabric.connector import Connector
 from fabric.launching import check_launch_request, do_nothing
 from fabric.setup_inputs import check_module, check_optimizers, prepare_dataloader
 from fabric.strategies.strategy import Strategy
-from fabric.utilities.apply_func import all_plain_cpu_tensors, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
+from fabric.utilities.apply_func import convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
 from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import set_rank_zero_rank
 from fabric.utilities.seed import seed_everything as _seed_everything
-from fabric.wrappers import FabricModule, FabricOptimizer, unwrap, unwrap_state, write_back_plain_values
+from fabric.wrappers import FabricModule, FabricOptimizer, plain_backward, unwrap, unwrap_state, write_back_plain_values
 
 
 class Fabric:
@@ -72,8 +72,7 @@ class Fabric:
         self._loggers = loggers_from_argument(loggers)
         self._launched = False  # launch() was called, or the process was set up on first use
         self._launch_called = False
-        self._known_device: torch.device | None = None  # to_device's memo of whether the device is the CPU
-        self._on_cpu = False
+        self._plain_backward = plain_backward(self._strategy)  # the precision plugin is fixed from here on
 
     # ---- properties -------------------------------------------------------------------------------
 
@@ -230,8 +229,10 @@ class Fabric:
 
     def backward(self, tensor: Tensor, *args: Any, model: FabricModule | None = None, **kwargs: Any) -> None:
         """``tensor.backward()`` with the precision's scaling and the strategy's gradient sync."""
-        module = model._forward_module if isinstance(model, FabricModule) else model
-        self._strategy.backward(tensor, module, *args, **kwargs)
+        if self._plain_backward:  # neither scales nor syncs by itself (DDP syncs in autograd hooks)
+            tensor.backward(*args, **kwargs)
+        else:
+            self._strategy.backward(tensor, model._forward_module if isinstance(model, FabricModule) else model, *args, **kwargs)
 
     def clip_gradients(
         self,
@@ -268,15 +269,10 @@ class Fabric:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, a tensor or any collection of tensors to this process's device."""
-        device = self._strategy.root_device
-        if device is not self._known_device:  # ``device.type`` costs a microsecond: asked once per device
-            self._known_device, self._on_cpu = device, device.type == "cpu"
-        if self._on_cpu and all_plain_cpu_tensors(obj):
-            return obj  # the fast path of a loop on the CPU: nothing to move, nothing to rebuild
         if isinstance(obj, Module):
             self._strategy.module_to_device(obj)
             return obj
-        return move_data_to_device(obj, device)
+        return move_data_to_device(obj, self._strategy.root_device)  # with a fast path for batches already there
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move a batch (any nesting of containers of tensors) to this process's device."""

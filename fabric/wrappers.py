@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.nn import Module
+from torch.nn.modules import module as _torch_module
 from torch.optim import Optimizer
 
 from fabric.checkpoint.loader_progress import LoaderProgress
+from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.compile import split_compiled
-
-if TYPE_CHECKING:
-    from fabric.strategies.strategy import Strategy
 
 _WRAPPER = "_forward_module."
 _OWN_ATTRIBUTES = frozenset(
     {"_forward_module", "_original_module", "_strategy", "_precision", "_fast_forward", "_inner_prefix", "_forward_methods"}
 )
+# torch's hooks for every module (dicts it fills in place): while any is registered, a call takes nn.Module's path
+_global_forward_pre_hooks = _torch_module._global_forward_pre_hooks
+_global_forward_hooks = _torch_module._global_forward_hooks
+_global_backward_pre_hooks = _torch_module._global_backward_pre_hooks
+_global_backward_hooks = _torch_module._global_backward_hooks
+_tracing = torch._C._get_tracing_state
 
 
 class FabricModule(Module):
@@ -78,8 +83,28 @@ class FabricModule(Module):
 
         self._forward_methods.add(check_forward_method(self._original_module, method))
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The hot path. With no hook on the wrapper, no global module hook and no ``torch.jit`` tracing,
+        # nn.Module's call machinery would only call ``forward``: skip its two frames. (``compile()`` on the
+        # wrapper compiles the user's module: ``__setattr__`` sends ``_compiled_call_impl`` there.)
+        if (
+            self._forward_pre_hooks
+            or self._forward_hooks
+            or self._backward_pre_hooks
+            or self._backward_hooks
+            or _global_forward_pre_hooks
+            or _global_forward_hooks
+            or _global_backward_pre_hooks
+            or _global_backward_hooks
+            or _tracing()
+        ):
+            return Module.__call__(self, *args, **kwargs)
+        if self._fast_forward:
+            return self._modules["_forward_module"](*args, **kwargs)  # type: ignore[misc]
+        return self.forward(*args, **kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # the hot path: ``self._forward_module`` would go through two ``__getattr__`` frames
+        # ``self._forward_module`` would go through two ``__getattr__`` frames
         forward_module: Any = self._modules["_forward_module"]
         if self._fast_forward:
             return forward_module(*args, **kwargs)
@@ -156,6 +181,7 @@ class FabricOptimizer:
 
     _optimizer: Optimizer
     _strategy: Strategy
+    _plain_step: bool
     _after_step_hooks: list[Any]
 
     def __new__(cls, optimizer: Optimizer, strategy: Strategy, callbacks: list[Any] | None = None) -> FabricOptimizer:
@@ -163,6 +189,7 @@ class FabricOptimizer:
         wrapper.__dict__.update(_shared_attributes(optimizer))
         wrapper.__dict__["_optimizer"] = optimizer
         wrapper.__dict__["_strategy"] = strategy
+        wrapper.__dict__["_plain_step"] = plain_optimizer_step(strategy)
         # only the callbacks with the hook: the step stays free of work when none has it
         hooks = [getattr(c, "on_after_optimizer_step", None) for c in callbacks or ()]
         wrapper.__dict__["_after_step_hooks"] = [hook for hook in hooks if callable(hook)]
@@ -195,7 +222,9 @@ class FabricOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         """The strategy's step, then each callback's ``on_after_optimizer_step(strategy=..., optimizer=...)``."""
-        if closure is None:
+        if self._plain_step:  # decided at set-up: the strategy's step would only call this
+            output = self._optimizer.step() if closure is None else self._optimizer.step(closure=closure)
+        elif closure is None:
             output = self._strategy.optimizer_step(self._optimizer)
         else:
             output = self._strategy.optimizer_step(self._optimizer, closure=closure)
@@ -231,7 +260,18 @@ def _shared_attributes(optimizer: Optimizer) -> dict[str, Any]:
     return {key: value for key, value in optimizer.__dict__.items() if key not in _NOT_SHARED}
 
 
-_NOT_SHARED = frozenset({"step", "state", "param_groups", "_after_step_hooks"})
+_NOT_SHARED = frozenset({"step", "state", "param_groups", "_after_step_hooks", "_plain_step"})
+
+
+# Asked once, when Fabric and its wrappers are made, so that a training step pays for no layer that adds nothing.
+def plain_backward(strategy: Strategy) -> bool:
+    """Whether ``strategy.backward(tensor, module, ...)`` is just ``tensor.backward(...)`` (no scaler, no sync of its own)."""
+    return type(strategy).backward is Strategy.backward and strategy.precision.plain_backward
+
+
+def plain_optimizer_step(strategy: Strategy) -> bool:
+    """Whether ``strategy.optimizer_step(optimizer, ...)`` is just ``optimizer.step(...)``."""
+    return type(strategy).optimizer_step is Strategy.optimizer_step and strategy.precision.plain_optimizer_step
 
 
 class FabricDataLoader:

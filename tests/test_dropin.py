@@ -300,7 +300,10 @@ def test_to_device_returns_what_is_already_on_the_device():
     fabric = cpu_fabric()
     x, y = torch.ones(2), torch.zeros(2)
     pair, listed = (x, y), [x, y]
-    assert fabric.to_device(pair) is pair and fabric.to_device(listed) is listed and fabric.to_device(x) is x
+    assert fabric.to_device(pair) is pair and fabric.to_device(x) is x
+    # a list comes back new, as from Lightning's collection walk: changing it leaves the caller's list alone
+    moved_list = fabric.to_device(listed)
+    assert moved_list is not listed and moved_list[0] is x and moved_list[1] is y
     nested = {"x": x, "more": (y, 3)}
     moved = fabric.to_device(nested)
     assert moved["x"] is x and moved["more"][0] is y and moved["more"][1] == 3

@@ -69,6 +69,16 @@ class Precision:
         """True when forward needs no input/output conversion and no context (the wrapper's fast path)."""
         return type(self) is Precision
 
+    @property
+    def plain_backward(self) -> bool:
+        """True when ``backward`` is just ``tensor.backward(...)``: ``Fabric.backward`` may then call it directly."""
+        return type(self).backward is Precision.backward
+
+    @property
+    def plain_optimizer_step(self) -> bool:
+        """True when ``optimizer_step`` is just ``optimizer.step(...)``: the wrapped optimizer may then call it."""
+        return type(self).optimizer_step is Precision.optimizer_step
+
     def backward(self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
         tensor.backward(*args, **kwargs)
 
@@ -173,6 +183,14 @@ class MixedPrecision(Precision):
 
     def convert_output(self, data: Any) -> Any:
         return _cast_floating(data, torch.get_default_dtype())
+
+    @property
+    def plain_backward(self) -> bool:
+        return self.scaler is None and type(self).backward is MixedPrecision.backward
+
+    @property
+    def plain_optimizer_step(self) -> bool:
+        return self.scaler is None and type(self).optimizer_step is MixedPrecision.optimizer_step
 
     def backward(self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any) -> None:
         if self.scaler is not None:

@@ -7,6 +7,10 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+_CPU = torch.device("cpu")
+# containers apply_to_collection walks into; none of them has a ``.to`` (subclasses may, so exact types only)
+_PLAIN_CONTAINERS = frozenset({list, tuple, dict})
+
 
 def _is_transferable(obj: Any) -> bool:
     return callable(getattr(obj, "to", None)) and not isinstance(obj, type)
@@ -16,6 +20,10 @@ class _HasTo(type):
     """A virtual type matching anything with a ``.to(device)`` method (tensors, BatchEncoding-like objects)."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
+        if isinstance(obj, torch.Tensor):  # the common leaf, answered without the attribute lookup
+            return True
+        if type(obj) in _PLAIN_CONTAINERS:
+            return False
         return _is_transferable(obj) and not isinstance(obj, torch.nn.Module)
 
 
@@ -26,15 +34,24 @@ class Transferable(metaclass=_HasTo):
 def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
     """Return ``batch`` with every tensor (or ``.to``-able object) in it moved to ``device``.
 
-    Containers keep their types; objects without a ``.to`` method are returned as they are.
+    Containers keep their types (a new container, as ``apply_to_collection`` makes); objects without a
+    ``.to`` method are returned as they are.
     """
     if isinstance(device, str):
         device = torch.device(device)
+    on_cpu = device == _CPU
+    if on_cpu and _all_on_cpu(batch):
+        # a CPU loop's batch: nothing to move, nothing to walk; a list or dict is still a new one, as the
+        # walk below makes (the caller may change it); a tensor or tuple is returned as it is
+        kind = type(batch)
+        return kind(batch) if kind is list or kind is dict else batch
     # a host->CUDA copy can overlap with compute only when it is non-blocking
     non_blocking = isinstance(device, torch.device) and device.type == "cuda"
 
     def _move(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            if on_cpu and type(obj) is torch.Tensor and obj.is_cpu:
+                return obj  # what ``.to`` would return, without its argument parsing
             return obj.to(device, non_blocking=non_blocking)
         moved = obj.to(device)
         # some objects (e.g. BatchEncoding of older libraries) move in place and return None
@@ -45,20 +62,23 @@ def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
     return apply_to_collection(batch, dtype=Transferable, function=_move)
 
 
-def all_plain_cpu_tensors(obj: Any) -> bool:
-    """Whether ``obj`` is a CPU tensor or a flat tuple/list of them: a batch with nothing to move.
+def _all_on_cpu(obj: Any) -> bool:
+    """Whether ``obj`` is a CPU tensor or a flat tuple, list or dict of them: a batch with nothing to move.
 
-    Exact types only (a tensor subclass may move differently); ``is_cpu`` is the cheapest device test.
+    Exact types only (a tensor subclass may move differently, a container subclass may be rebuilt
+    differently); ``is_cpu`` is the cheapest device test.
     """
     kind = type(obj)
     if kind is torch.Tensor:
         return obj.is_cpu
-    if kind is tuple or kind is list:
-        for item in obj:
-            if type(item) is not torch.Tensor or not item.is_cpu:
-                return False
-        return True
-    return False
+    if kind is dict:
+        obj = obj.values()
+    elif kind is not tuple and kind is not list:
+        return False
+    for item in obj:
+        if type(item) is not torch.Tensor or not item.is_cpu:
+            return False
+    return True
 
 
 def convert_to_tensors(data: Any, device: torch.device) -> Any:
