@@ -109,9 +109,11 @@ class FabricModule(Module):
         if self._fast_forward:
             return forward_module(*args, **kwargs)
         precision = self._precision
-        if kwargs or not all(type(arg) is torch.Tensor for arg in args):
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the common call, model(x)
+            args = (precision.convert_input(args[0]),)
+        elif kwargs or not all(type(arg) is torch.Tensor for arg in args):
             args, kwargs = precision.convert_input((args, kwargs))
-        else:  # the common call, model(x): no collection walk
+        else:  # only tensors: no collection walk
             args = tuple(precision.convert_input(arg) for arg in args)
         with precision.forward_context():
             output = forward_module(*args, **kwargs)
