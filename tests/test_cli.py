@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric import cli
+from fabric import cli, run_options
 from fabric.strategies.launchers.signals import SHUTDOWN_TIMEOUT_S
 from support import PYTHON
 from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
@@ -148,30 +148,30 @@ def test_bad_option_from_the_command_line_exits_2() -> None:
 
 @pytest.mark.timeout(10)
 def test_options_before_and_after_script_and_the_double_dash() -> None:
-    config = cli.parse_run_args(["--devices", "2", str(RANKS_ENV), "--lr", "0.1", "--num_nodes=3", "x",
+    config = run_options.parse_run_args(["--devices", "2", str(RANKS_ENV), "--lr", "0.1", "--num_nodes=3", "x",
                                  "--help", "--", "--devices", "5"])
     assert config.script == str(RANKS_ENV)
     assert config.devices == "2" and config.num_nodes == 3
     assert config.script_args == ["--lr", "0.1", "x", "--help", "--devices", "5"]
     assert config.given == {"devices", "num_nodes"}
-    config = cli.parse_run_args(["--", str(RANKS_ENV), "-v"])
+    config = run_options.parse_run_args(["--", str(RANKS_ENV), "-v"])
     assert config.script == str(RANKS_ENV) and config.script_args == ["-v"] and config.given == set()
 
 
 @pytest.mark.timeout(10)
 def test_defaults_are_lightning_fabric_ones() -> None:
-    config = cli.parse_run_args([str(RANKS_ENV)])
+    config = run_options.parse_run_args([str(RANKS_ENV)])
     assert (config.accelerator, config.strategy, config.devices, config.num_nodes, config.node_rank,
             config.main_address, config.precision) == (None, None, "1", 1, 0, "127.0.0.1", None)
-    assert cli.DEFAULT_MAIN_PORT == 29400
+    assert run_options.DEFAULT_MAIN_PORT == 29400
     assert config.shutdown_timeout is None  # the supervisor's default (30 s, as torchrun)
-    assert cli.parse_run_args(["--shutdown-timeout", "2.5", str(RANKS_ENV)]).shutdown_timeout == 2.5
+    assert run_options.parse_run_args(["--shutdown-timeout", "2.5", str(RANKS_ENV)]).shutdown_timeout == 2.5
 
 
 @pytest.mark.timeout(10)
 def test_processes_per_node_and_fabric_variables() -> None:
-    def config(*args: str) -> cli.RunConfig:
-        return cli.parse_run_args([*args, str(RANKS_ENV)])
+    def config(*args: str) -> run_options.RunConfig:
+        return run_options.parse_run_args([*args, str(RANKS_ENV)])
 
     assert cli.processes_per_node(config("--devices", "3")) == 3
     assert cli.processes_per_node(config("--devices", "[0,1]")) == 2
@@ -199,9 +199,9 @@ def test_choices_come_from_the_registries() -> None:
     from fabric.plugins.precision import PRECISION_ALIASES, PRECISION_VALUES
     from fabric.strategies import STRATEGY_REGISTRY, strategy_launch
 
-    assert set(cli.ACCELERATORS) == {"auto", "gpu", *ACCELERATOR_REGISTRY}
-    assert set(cli.PRECISIONS) == {*PRECISION_VALUES, *(str(a) for a in PRECISION_ALIASES)}
-    accepted, refused = cli._strategies()
+    assert set(run_options.ACCELERATORS) == {"auto", "gpu", *ACCELERATOR_REGISTRY}
+    assert set(run_options.PRECISIONS) == {*PRECISION_VALUES, *(str(a) for a in PRECISION_ALIASES)}
+    accepted, refused = run_options._strategies()
     assert set(accepted) | set(refused) == {"auto", *STRATEGY_REGISTRY} and not set(accepted) & set(refused)
     assert "ddp" in accepted and not any("spawn" in name or "fork" in name for name in accepted)
     assert "horovodrun" in refused["horovod"]
