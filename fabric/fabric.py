@@ -26,7 +26,7 @@ from fabric.connector import Connector
 from fabric.launching import check_launch_request, do_nothing
 from fabric.setup_inputs import check_module, check_optimizers, prepare_dataloader
 from fabric.strategies.strategy import Strategy
-from fabric.utilities.apply_func import convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
+from fabric.utilities.apply_func import CPU, as_moved_to_cpu, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
 from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import set_rank_zero_rank
 from fabric.utilities.seed import seed_everything as _seed_everything
@@ -269,10 +269,14 @@ class Fabric:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, a tensor or any collection of tensors to this process's device."""
+        device = self._strategy.root_device
+        moved = as_moved_to_cpu(obj) if device == CPU else None
+        if moved is not None:  # a CPU loop's batch, already there: no walk (and no second check in move_data_to_device)
+            return moved
         if isinstance(obj, Module):
             self._strategy.module_to_device(obj)
             return obj
-        return move_data_to_device(obj, self._strategy.root_device)  # with a fast path for batches already there
+        return move_data_to_device(obj, device)
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move a batch (any nesting of containers of tensors) to this process's device."""

@@ -138,6 +138,27 @@ def test_a_converting_precision_still_converts(precision):
     assert seen == [torch.float64 if precision == "64-true" else torch.bfloat16] and out.dtype == torch.float32
 
 
+FLOATING = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("target", FLOATING)
+@pytest.mark.parametrize("source", [*FLOATING, torch.int64, torch.complex64])
+def test_precision_casts_are_the_casts_of_tensor_to(source, target):
+    from fabric.plugins.precision import _cast_tensor
+
+    base = torch.randn(4, 3, 2, 5).to(source)
+    tensor = base.to(memory_format=torch.channels_last)  # the memory format must be kept, as .to keeps it
+    if source.is_floating_point:
+        tensor.requires_grad_(True)
+    cast = _cast_tensor(tensor, target)
+    if source == target or not source.is_floating_point:
+        assert cast is tensor
+        return
+    expected = tensor.to(target)
+    assert cast.dtype == expected.dtype == target and cast.stride() == expected.stride() and torch.equal(cast, expected)
+    assert type(cast.grad_fn).__name__ == type(expected.grad_fn).__name__  # differentiable, as .to is
+
+
 # ---- Fabric.backward and FabricOptimizer.step ---------------------------------------------------------------
 
 

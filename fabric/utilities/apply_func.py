@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-_CPU = torch.device("cpu")
+CPU = torch.device("cpu")
 # containers apply_to_collection walks into; none of them has a ``.to`` (subclasses may, so exact types only)
 _PLAIN_CONTAINERS = frozenset({list, tuple, dict})
 
@@ -39,12 +39,11 @@ def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
     """
     if isinstance(device, str):
         device = torch.device(device)
-    on_cpu = device == _CPU
-    if on_cpu and _all_on_cpu(batch):
-        # a CPU loop's batch: nothing to move, nothing to walk; a list or dict is still a new one, as the
-        # walk below makes (the caller may change it); a tensor or tuple is returned as it is
-        kind = type(batch)
-        return kind(batch) if kind is list or kind is dict else batch
+    on_cpu = device == CPU
+    if on_cpu:
+        moved = as_moved_to_cpu(batch)
+        if moved is not None:
+            return moved
     # a host->CUDA copy can overlap with compute only when it is non-blocking
     non_blocking = isinstance(device, torch.device) and device.type == "cuda"
 
@@ -62,23 +61,28 @@ def move_data_to_device(batch: Any, device: torch.device | str | int) -> Any:
     return apply_to_collection(batch, dtype=Transferable, function=_move)
 
 
-def _all_on_cpu(obj: Any) -> bool:
-    """Whether ``obj`` is a CPU tensor or a flat tuple, list or dict of them: a batch with nothing to move.
+def as_moved_to_cpu(batch: Any) -> Any:
+    """What moving ``batch`` to the CPU gives, when it is a CPU tensor or a flat tuple, list or dict of them;
+    else None (then the batch needs the full walk).
 
-    Exact types only (a tensor subclass may move differently, a container subclass may be rebuilt
-    differently); ``is_cpu`` is the cheapest device test.
+    The fast path of a CPU loop: nothing to move, nothing to walk. A list or dict still comes back new, as
+    from the walk (the caller may change it); a tensor or tuple comes back as it is. Exact types only (a
+    tensor subclass may move differently, a container subclass may be rebuilt differently); ``is_cpu`` is
+    the cheapest device test.
     """
-    kind = type(obj)
+    kind = type(batch)
     if kind is torch.Tensor:
-        return obj.is_cpu
-    if kind is dict:
-        obj = obj.values()
-    elif kind is not tuple and kind is not list:
-        return False
-    for item in obj:
+        return batch if batch.is_cpu else None
+    if kind is tuple or kind is list:
+        items = batch
+    elif kind is dict:
+        items = batch.values()
+    else:
+        return None
+    for item in items:
         if type(item) is not torch.Tensor or not item.is_cpu:
-            return False
-    return True
+            return None
+    return batch if kind is tuple else kind(batch)
 
 
 def convert_to_tensors(data: Any, device: torch.device) -> Any:
