@@ -30,7 +30,7 @@ _global_forward_pre_hooks = _torch_module._global_forward_pre_hooks
 _global_forward_hooks = _torch_module._global_forward_hooks
 _global_backward_pre_hooks = _torch_module._global_backward_pre_hooks
 _global_backward_hooks = _torch_module._global_backward_hooks
-_tracing = torch._C._get_tracing_state
+_jit_trace = torch.jit._trace
 
 
 class FabricModule(Module):
@@ -84,23 +84,25 @@ class FabricModule(Module):
         self._forward_methods.add(check_forward_method(self._original_module, method))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # The hot path. With no hook on the wrapper, no global module hook and no ``torch.jit`` tracing,
-        # nn.Module's call machinery would only call ``forward``: skip its two frames. (``compile()`` on the
-        # wrapper compiles the user's module: ``__setattr__`` sends ``_compiled_call_impl`` there.)
+        # The hot path. With no hook on the wrapper, no global module hook and no ``torch.jit.trace`` of a
+        # module recording scopes, nn.Module's call machinery would only call ``forward``: skip its two
+        # frames. (``compile()`` on the wrapper compiles the user's module: ``__setattr__`` sends
+        # ``_compiled_call_impl`` there.) The instance dict is read directly: attribute reads of a module cost more.
+        state = self.__dict__
         if (
-            self._forward_pre_hooks
-            or self._forward_hooks
-            or self._backward_pre_hooks
-            or self._backward_hooks
+            state["_forward_pre_hooks"]
+            or state["_forward_hooks"]
+            or state["_backward_pre_hooks"]
+            or state["_backward_hooks"]
             or _global_forward_pre_hooks
             or _global_forward_hooks
             or _global_backward_pre_hooks
             or _global_backward_hooks
-            or _tracing()
+            or _jit_trace._trace_module_map is not None  # what nn.Module's traced call (_slow_forward) adds
         ):
             return Module.__call__(self, *args, **kwargs)
-        if self._fast_forward:
-            return self._modules["_forward_module"](*args, **kwargs)  # type: ignore[misc]
+        if state["_fast_forward"]:
+            return state["_modules"]["_forward_module"](*args, **kwargs)
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
