@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import time
-import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -25,6 +23,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric._core.env import export_rendezvous
+from fabric.strategies.group_lifetime import (
+    bind_default_arguments_before_the_group_exists,
+    leave_process_group,
+    leave_process_group_at_exit,
+    track_ddp_module,
+)
 from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
 from fabric.strategies.strategy import BackwardSyncControl
 from fabric.utilities.apply_func import move_data_to_device
@@ -144,11 +148,11 @@ class ProcessGroupStrategy(ParallelStrategy):
         store = _restart_attempt_store(env.main_address, env.main_port, self.world_size, self._timeout)
         if store is not None:
             kwargs["store"] = store
-        _bind_default_arguments_before_the_group_exists()
+        bind_default_arguments_before_the_group_exists()
         dist.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
         # Leaving the group explicitly at exit is cheap (~10 ms); left to the destructors, a gloo group can
         # hold the interpreter's exit up by half a second, which every rank of every job pays.
-        atexit.register(_destroy_process_group_at_exit)
+        atexit.register(leave_process_group_at_exit)
 
     @override
     def teardown(self) -> None:
@@ -157,7 +161,7 @@ class ProcessGroupStrategy(ParallelStrategy):
 
         wait_for_pending_save()  # a background save still talks over the process group
         if dist.is_available():
-            _leave_process_group()
+            leave_process_group()
         super().teardown()
 
     # ---- collectives ----------------------------------------------------------------------------------
@@ -276,7 +280,7 @@ class DDPStrategy(ProcessGroupStrategy):
         ddp = DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
         self._register_comm_hook(ddp)
         self._set_up_modules.add(ddp)
-        _DDP_MODULES.add(ddp)
+        track_ddp_module(ddp)
         return ddp
 
     def _register_comm_hook(self, ddp: DistributedDataParallel) -> None:
@@ -349,73 +353,6 @@ def _restart_attempt_store(host: str, port: int, world_size: int, timeout: timed
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout or timedelta(minutes=30))
     return dist.PrefixStore(f"fabric/attempt_{attempt}", client)
-
-
-def _bind_default_arguments_before_the_group_exists() -> None:
-    """Import ``torch.distributed.nn.functional`` now, while no process group exists.
-
-    Its functions take ``group=group.WORLD`` as a default argument, evaluated once at import. DDP imports
-    it; imported after ``init_process_group`` it pins the default group for the life of the process, so
-    ``destroy_process_group`` cannot free it and gloo's worker threads run on into interpreter shutdown,
-    where one that lets go of a finished collective's tensor needs the GIL and aborts the process
-    ("terminate called without an active exception", exit 134, after a successful run).
-    """
-    import torch.distributed.nn.functional  # noqa: F401
-
-
-# Every DDP module set up in this process, so that the exit hook can make them let go of the group.
-_DDP_MODULES: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
-# What a DDP module holds the process group by (its C++ reducer and logger hold it too).
-_GROUP_HOLDERS = ("reducer", "logger", "process_group")
-# Seconds a still-running group's worker threads get at exit to finish letting go of collectives' tensors.
-_LATE_RELEASE_S = 0.05
-
-
-def _leave_process_group() -> None:
-    """Destroy the process group so that it is freed, and gloo's threads with it.
-
-    The group is freed only once nothing holds it. A DDP module the script still refers to (a
-    module-level ``model``) would; without the group it cannot communicate anyway, so it drops its
-    reducer and its reference to the group first.
-    """
-    if not dist.is_initialized():
-        return
-    for ddp in list(_DDP_MODULES):
-        for name in _GROUP_HOLDERS:
-            ddp.__dict__.pop(name, None)
-    _DDP_MODULES.clear()
-    dist.destroy_process_group()
-
-
-def _destroy_process_group_at_exit() -> None:
-    """Leave the group while the interpreter is whole, so that gloo's threads are joined before shutdown.
-
-    Where something outside our reach still holds a group (torch's FSDP keeps one of its meshes' groups),
-    its threads live on: give them a moment with the GIL released, so that one still letting go of a
-    just-finished collective's tensors does it now rather than during shutdown.
-    """
-    try:
-        _leave_process_group()
-        if _process_group_threads_alive():
-            time.sleep(_LATE_RELEASE_S)
-    except Exception:  # never let exit fail over it; the process is going away anyway
-        pass
-
-
-def _process_group_threads_alive() -> bool:
-    """Whether a gloo worker thread of this process still runs (Linux names them; elsewhere: assume so)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return True
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                if comm.read().startswith("pt_gloo"):
-                    return True
-        except OSError:  # that thread ended meanwhile
-            continue
-    return False
 
 
 def _unwrap_ddp(module: Module) -> Module:

@@ -1,0 +1,95 @@
+"""The process group's lifetime: joined so that it can be freed, left so that it is.
+
+A gloo group runs worker threads. If the group outlives the interpreter's shutdown, a worker that lets
+go of a finished collective's tensor needs the GIL and aborts the process ("terminate called without an
+active exception", exit 134, after a successful run). So the group must really be freed when it is
+left: nothing may keep holding it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = [
+    "bind_default_arguments_before_the_group_exists",
+    "leave_process_group",
+    "leave_process_group_at_exit",
+    "track_ddp_module",
+]
+
+
+def bind_default_arguments_before_the_group_exists() -> None:
+    """Import ``torch.distributed.nn.functional`` now, while no process group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated once at import. DDP imports
+    it; imported after ``init_process_group`` it pins the default group for the life of the process, so
+    ``destroy_process_group`` cannot free it and gloo's worker threads run on into interpreter shutdown,
+    where one that lets go of a finished collective's tensor needs the GIL and aborts the process
+    ("terminate called without an active exception", exit 134, after a successful run).
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+
+
+# Every DDP module set up in this process, so that leaving the group can make them let go of it.
+_DDP_MODULES: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+# What a DDP module holds the process group by (its C++ reducer and logger hold it too).
+_GROUP_HOLDERS = ("reducer", "logger", "process_group")
+# Seconds a still-running group's worker threads get at exit to finish letting go of collectives' tensors.
+_LATE_RELEASE_S = 0.05
+
+
+def track_ddp_module(ddp: DistributedDataParallel) -> None:
+    """Remember a DDP module set up here: it is made to let go of the group when the group is left."""
+    _DDP_MODULES.add(ddp)
+
+
+def leave_process_group() -> None:
+    """Destroy the process group so that it is freed, and gloo's threads with it.
+
+    The group is freed only once nothing holds it. A DDP module the script still refers to (a
+    module-level ``model``) would; without the group it cannot communicate anyway, so it drops its
+    reducer and its reference to the group first.
+    """
+    if not dist.is_initialized():
+        return
+    for ddp in list(_DDP_MODULES):
+        for name in _GROUP_HOLDERS:
+            ddp.__dict__.pop(name, None)
+    _DDP_MODULES.clear()
+    dist.destroy_process_group()
+
+
+def leave_process_group_at_exit() -> None:
+    """Leave the group while the interpreter is whole, so that gloo's threads are joined before shutdown.
+
+    Where something outside our reach still holds a group (torch's FSDP keeps one of its meshes' groups),
+    its threads live on: give them a moment with the GIL released, so that one still letting go of a
+    just-finished collective's tensors does it now rather than during shutdown.
+    """
+    try:
+        leave_process_group()
+        if _process_group_threads_alive():
+            time.sleep(_LATE_RELEASE_S)
+    except Exception:  # never let exit fail over it; the process is going away anyway
+        pass
+
+
+def _process_group_threads_alive() -> bool:
+    """Whether a gloo worker thread of this process still runs (Linux names them; elsewhere: assume so)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return True
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().startswith("pt_gloo"):
+                    return True
+        except OSError:  # that thread ended meanwhile
+            continue
+    return False
