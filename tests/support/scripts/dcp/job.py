@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from fabric.plugins.io.full_state import save_full
 from fabric.plugins.io.sharded import load_sharded, save_sharded
 from fabric.plugins.io.state_layout import optimizer_numbered
+from fabric.strategies.group_lifetime import bind_default_arguments_before_the_group_exists, leave_process_group_at_exit
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -44,6 +45,7 @@ def gathered(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
+    bind_default_arguments_before_the_group_exists()  # as fabric's strategies do: the group can be freed
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if mode == "save":
@@ -68,7 +70,7 @@ def main() -> None:
         if len(sys.argv) > 4:  # and save again from this layout
             save_sharded(out / sys.argv[4], {"model": model, "optimizer": optimizer, "step": state["step"]})
     dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group_at_exit()  # FSDP keeps the group: its gloo threads get their moment before shutdown
 
 
 if __name__ == "__main__":
