@@ -140,10 +140,9 @@ class NodeRendezvous:
         worker = threading.Thread(target=join, name="fabric-node-rendezvous", daemon=True)
         worker.start()
         while worker.is_alive():
-            signum = signals.take() if signals is not None else None
+            signum = _signal_within(signals, POLL_S)
             if signum is not None:
                 return JobResult(signal=signum)
-            wait_readable([signals.fd] if signals is not None and signals.fd is not None else [], POLL_S)
             worker.join(0)
         if "error" in outcome:
             return JobResult(stopped=_join_failure(outcome["error"], self.endpoint))
@@ -188,14 +187,13 @@ class NodeRendezvous:
         try:
             self._store.add(_FINISHED, 1)
             while self._store.add(_FINISHED, 0) < self.num_nodes:
-                signum = signals.take() if signals is not None else None
+                signum = _signal_within(signals, POLL_S)
                 if signum is not None:
                     return JobResult(signal=signum)
                 stopped = self.should_stop()
                 # another node's ranks may have finished and closed the round between our two looks
                 if stopped is not None and self._store.add(_FINISHED, 0) < self.num_nodes:
                     return stopped
-                wait_readable([signals.fd] if signals is not None and signals.fd is not None else [], POLL_S)
         except Exception as err:
             return JobResult(stopped=f"lost the node rendezvous at {self.endpoint} ({type(err).__name__}: {err})")
         return JobResult()
@@ -221,6 +219,14 @@ class NodeRendezvous:
                 time.sleep(POLL_S)
         except Exception:  # the store is gone already: nothing left to tell anybody
             pass
+
+
+def _signal_within(signals: SignalPipe | None, timeout: float) -> int | None:
+    """A watched signal that has arrived; else None, after waiting up to ``timeout`` seconds for one."""
+    signum = signals.take() if signals is not None else None
+    if signum is None:
+        wait_readable([signals.fd] if signals is not None and signals.fd is not None else [], timeout)
+    return signum
 
 
 def _why(result: JobResult) -> str:
