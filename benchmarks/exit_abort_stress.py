@@ -6,7 +6,7 @@ loopback, exactly as tests/test_multinode.py does. A job counts as clean when bo
 all four result files exist. Anything else is listed with the end of its stderr; an exit status of
 134 with "terminate called" in it is the abort this script was written to catch.
 
-    python benchmarks/exit_abort_stress.py [--jobs 300] [--parallel 2] [--cores DIR]
+    python benchmarks/exit_abort_stress.py [--jobs 300] [--parallel 2] [--strategy ddp|fsdp] [--cores DIR]
 
 Not part of the test suite (300 jobs take a while on a small machine). With ``--cores DIR`` the
 ranks may dump core into DIR (``ulimit -c unlimited``; the kernel's core_pattern decides the name).
@@ -50,13 +50,13 @@ def _allow_cores() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
-def run_job(index: int, cores: Path | None, timeout: float) -> tuple[str, str]:
+def run_job(index: int, strategy: str, cores: Path | None, timeout: float) -> tuple[str, str]:
     """One four-rank job; (outcome, detail) where outcome is "ok", "abort134", "timeout" or "exit<codes>"."""
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix=f"exit-stress-{index}-") as out:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "fabric", "run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", "2",
+                [sys.executable, "-m", "fabric", "run", "--accelerator", "cpu", "--strategy", strategy, "--devices", "2",
                  "--num-nodes", "2", "--node-rank", str(node), "--main-address", "127.0.0.1", "--main-port", str(port),
                  str(JOB), out],
                 env=_environment(cores), cwd=cores or REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=300)
     parser.add_argument("--parallel", type=int, default=2, help="jobs at the same time")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per job")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="what the jobs train with")
     parser.add_argument("--cores", type=Path, default=None, help="let ranks dump core into this folder")
     args = parser.parse_args()
     if args.cores:
@@ -97,7 +98,7 @@ def main() -> None:
     counts: collections.Counter[str] = collections.Counter()
     started = time.monotonic()
     with ThreadPoolExecutor(args.parallel) as pool:
-        futures = [pool.submit(run_job, i, args.cores, args.timeout) for i in range(args.jobs)]
+        futures = [pool.submit(run_job, i, args.strategy, args.cores, args.timeout) for i in range(args.jobs)]
         for done, future in enumerate(futures, 1):
             outcome, detail = future.result()
             counts[outcome] += 1
@@ -106,7 +107,7 @@ def main() -> None:
             if done % 25 == 0:
                 print(f"[{done}/{args.jobs}] {dict(counts)} ({time.monotonic() - started:.0f} s)", flush=True)
     bad = args.jobs - counts["ok"]
-    print(f"exit_abort_stress: {args.jobs} four-rank jobs, {counts['abort134']} exit-134 aborts, {bad} not clean "
+    print(f"exit_abort_stress: {args.jobs} four-rank {args.strategy} jobs, {counts['abort134']} exit-134 aborts, {bad} not clean "
           f"{dict(counts)} in {time.monotonic() - started:.0f} s (goal 0 aborts)")
     sys.exit(1 if bad else 0)
 

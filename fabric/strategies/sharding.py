@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits
 from fabric.strategies.ddp import ProcessGroupStrategy
+from fabric.strategies.group_lifetime import track_device_mesh
 from fabric.strategies.strategy import BackwardSyncControl, _entered_together
 
 
@@ -65,6 +66,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         super().setup_environment()
         if self._device_mesh is None:
             self._device_mesh = self._build_device_mesh()
+        track_device_mesh(self._device_mesh)  # so that leaving the group frees it (else gloo's threads outlive exit)
 
     @abstractmethod
     def _build_device_mesh(self) -> Any:

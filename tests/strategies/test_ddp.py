@@ -429,10 +429,15 @@ def test_a_failed_rank0_save_raises_the_same_error_on_every_rank(clean_env, tmp_
 
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
-def test_no_gloo_thread_outlives_the_exit_hook_with_a_module_level_model(tmp_path):
-    """Nothing of the process group may still run when the interpreter shuts down (else: exit 134)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tensor_parallel"])
+def test_no_gloo_thread_outlives_the_exit_hook_with_a_module_level_model(tmp_path, strategy):
+    """Nothing of the process group may still run when the interpreter shuts down (else: exit 134).
+
+    DDP pins the group through its reducer; the sharded strategies through DTensor's caches, which keep
+    every device mesh they saw (and the mesh its groups) for the life of the process.
+    """
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "exit_threads.py"), str(tmp_path)],
+        [sys.executable, str(SCRIPTS / "exit_threads.py"), str(tmp_path), strategy],
         env=job_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=80,
     )
     assert result.returncode == 0, result.stderr

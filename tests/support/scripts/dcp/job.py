@@ -22,13 +22,18 @@ from torch.distributed.fsdp import fully_shard
 from fabric.plugins.io.full_state import save_full
 from fabric.plugins.io.sharded import load_sharded, save_sharded
 from fabric.plugins.io.state_layout import optimizer_numbered
-from fabric.strategies.group_lifetime import bind_default_arguments_before_the_group_exists, leave_process_group_at_exit
+from fabric.strategies.group_lifetime import (
+    bind_default_arguments_before_the_group_exists,
+    leave_process_group_at_exit,
+    track_device_mesh,
+)
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    track_device_mesh(mesh)  # as fabric's sharded strategies do: leaving the group makes the mesh let go of it
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -70,7 +75,7 @@ def main() -> None:
         if len(sys.argv) > 4:  # and save again from this layout
             save_sharded(out / sys.argv[4], {"model": model, "optimizer": optimizer, "step": state["step"]})
     dist.barrier()
-    leave_process_group_at_exit()  # FSDP keeps the group: its gloo threads get their moment before shutdown
+    leave_process_group_at_exit()  # as fabric's strategies do: the meshes let go of the group, gloo's threads end
 
 
 if __name__ == "__main__":

@@ -1,4 +1,7 @@
-"""A two-rank popen DDP job written as many scripts are: the model and Fabric live at module level.
+"""A two-rank popen job written as many scripts are: the model and Fabric live at module level.
+
+``exit_threads.py OUTDIR [ddp|fsdp|tensor_parallel]``: the strategy the job runs under (default ddp).
+The sharded ones leave DTensor's caches holding their device meshes for the life of the process.
 
 An exit hook registered before Fabric exists runs after Fabric's own, at the last moment the
 interpreter is whole; it writes the names of the threads still running to ``<outdir>/threads<R>.json``.
@@ -12,6 +15,7 @@ import sys
 from pathlib import Path
 
 OUTDIR = Path(sys.argv[1])
+STRATEGY = sys.argv[2] if len(sys.argv) > 2 else "ddp"
 
 
 def _thread_names() -> list[str]:
@@ -29,8 +33,21 @@ atexit.register(lambda: (OUTDIR / f"threads{os.environ.get('RANK', '0')}.json").
 import torch  # noqa: E402
 
 from fabric import Fabric  # noqa: E402
+from fabric.strategies import ModelParallelStrategy  # noqa: E402
 
-fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+
+def _tensor_parallel(module: torch.nn.Module, mesh) -> torch.nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    return parallelize_module(module, mesh["tensor_parallel"], ColwiseParallel())
+
+
+strategies = {
+    "ddp": "ddp",
+    "fsdp": "fsdp",
+    "tensor_parallel": ModelParallelStrategy(_tensor_parallel, data_parallel_size=1, tensor_parallel_size=2),
+}
+fabric = Fabric(accelerator="cpu", devices=2, strategy=strategies[STRATEGY])
 fabric.launch()
 model = torch.nn.Linear(4, 4)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,4 +1,4 @@
-"""One rank of a small multi-node job: collectives, then a few DDP steps; writes what it saw to JSON.
+"""One rank of a small multi-node job: collectives, then a few DDP (or FSDP) steps; writes what it saw to JSON.
 
 Started by the tests under `fabric run`, torchrun, a simulated SLURM, horovodrun or by hand on two
 "nodes". Takes no Fabric options itself: the launcher's environment (FABRIC_*, torchrun's or SLURM's
@@ -36,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--fail-rank", type=int, default=-1)
-    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--strategy", default="auto", help="as in the code; `fabric run --strategy` sets it otherwise")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
 
@@ -68,7 +68,8 @@ def main() -> None:
         fabric.backward(loss)
         optimizer.step()
         seen += len(x)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # sharded: gathered
+    flat = torch.cat([p.detach().reshape(-1) for p in whole])
     record = {
         "rank": rank,
         "local_rank": fabric.local_rank,
