@@ -73,6 +73,7 @@ class Fabric:
         self._launched = False  # launch() was called, or the process was set up on first use
         self._launch_called = False
         self._plain_backward = plain_backward(self._strategy)  # the precision plugin is fixed from here on
+        self._device_is_cpu: bool | None = None  # found on the first to_device(): a rank's device may not exist yet
 
     # ---- properties -------------------------------------------------------------------------------
 
@@ -269,14 +270,17 @@ class Fabric:
 
     def to_device(self, obj: Any) -> Any:
         """Move a module, a tensor or any collection of tensors to this process's device."""
-        device = self._strategy.root_device
-        moved = as_moved_to_cpu(obj) if device == CPU else None
-        if moved is not None:  # a CPU loop's batch, already there: no walk (and no second check in move_data_to_device)
-            return moved
+        device_is_cpu = self._device_is_cpu
+        if device_is_cpu is None:  # whether it is the CPU never changes (which GPU may, at launch)
+            device_is_cpu = self._device_is_cpu = self._strategy.root_device == CPU
+        if device_is_cpu:
+            moved = as_moved_to_cpu(obj)
+            if moved is not None:  # a CPU loop's batch, already there: no walk (and no second check in move_data_to_device)
+                return moved
         if isinstance(obj, Module):
             self._strategy.module_to_device(obj)
             return obj
-        return move_data_to_device(obj, device)
+        return move_data_to_device(obj, self._strategy.root_device)
 
     def batch_to_device(self, batch: Any) -> Any:
         """Move a batch (any nesting of containers of tensors) to this process's device."""

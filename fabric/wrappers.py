@@ -23,7 +23,16 @@ from fabric.utilities.compile import split_compiled
 
 _WRAPPER = "_forward_module."
 _OWN_ATTRIBUTES = frozenset(
-    {"_forward_module", "_original_module", "_strategy", "_precision", "_fast_forward", "_inner_prefix", "_forward_methods"}
+    {
+        "_forward_module",
+        "_original_module",
+        "_strategy",
+        "_precision",
+        "_fast_forward",
+        "_inner_prefix",
+        "_forward_methods",
+        "_plainly_called",
+    }
 )
 # torch's hooks for every module (dicts it fills in place): while any is registered, a call takes nn.Module's path
 _global_forward_pre_hooks = _torch_module._global_forward_pre_hooks
@@ -46,6 +55,8 @@ class FabricModule(Module):
         self._fast_forward = strategy.precision.is_identity
         self._inner_prefix = _WRAPPER + _path_to(forward_module, self._original_module)
         self._forward_methods: set[str] = set()
+        # the wrapped module when its class calls like nn.Module (else None): then its forward can be called directly
+        self.__dict__["_plainly_called"] = forward_module if _calls_like_module(type(forward_module)) else None
         self._register_state_dict_hook(_drop_wrapper_prefix)
         self._register_load_state_dict_pre_hook(_add_wrapper_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_report_without_prefix)
@@ -86,8 +97,9 @@ class FabricModule(Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The hot path. With no hook on the wrapper, no global module hook and no ``torch.jit.trace`` of a
         # module recording scopes, nn.Module's call machinery would only call ``forward``: skip its two
-        # frames. (``compile()`` on the wrapper compiles the user's module: ``__setattr__`` sends
-        # ``_compiled_call_impl`` there.) The instance dict is read directly: attribute reads of a module cost more.
+        # frames, for the wrapper and, where it holds as well, for the wrapped module. (``compile()`` on the
+        # wrapper compiles the user's module: ``__setattr__`` sends ``_compiled_call_impl`` there.) Instance
+        # dicts are read directly: attribute reads of a module cost more.
         state = self.__dict__
         if (
             state["_forward_pre_hooks"]
@@ -101,9 +113,20 @@ class FabricModule(Module):
             or _jit_trace._trace_module_map is not None  # what nn.Module's traced call (_slow_forward) adds
         ):
             return Module.__call__(self, *args, **kwargs)
-        if state["_fast_forward"]:
-            return state["_modules"]["_forward_module"](*args, **kwargs)
-        return self.forward(*args, **kwargs)
+        if not state["_fast_forward"]:
+            return self.forward(*args, **kwargs)
+        inner = state["_modules"]["_forward_module"]
+        if state["_plainly_called"] is inner:
+            inner_state = inner.__dict__
+            if not (
+                inner_state["_forward_pre_hooks"]
+                or inner_state["_forward_hooks"]
+                or inner_state["_backward_pre_hooks"]
+                or inner_state["_backward_hooks"]
+                or inner_state.get("_compiled_call_impl") is not None
+            ):
+                return inner.forward(*args, **kwargs)
+        return inner(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # ``self._forward_module`` would go through two ``__getattr__`` frames
@@ -149,6 +172,14 @@ class FabricModule(Module):
 
     def __repr__(self) -> str:
         return f"FabricModule({self._original_module!r})"
+
+
+def _calls_like_module(module_class: type) -> bool:
+    """Whether calling an instance of ``module_class`` is nn.Module's call (hooks, then ``forward``), unchanged."""
+    return all(
+        getattr(module_class, name, None) is getattr(Module, name, None)
+        for name in ("__call__", "_wrapped_call_impl", "_call_impl", "__getattribute__")
+    )
 
 
 def _path_to(root: Module, target: Module) -> str:

@@ -66,6 +66,54 @@ def test_a_hook_on_the_wrapper_runs_as_on_any_module(kind):
     assert calls == [fmodel]
 
 
+@pytest.mark.parametrize("kind", list(HOOKS))
+def test_a_hook_on_the_users_module_runs_when_called_through_the_wrapper(kind):
+    _, model, fmodel, _ = set_up()
+    calls: list[nn.Module] = []
+    handle = HOOKS[kind](model, calls)  # registered after set-up, on the module the wrapper calls
+    x = torch.randn(5, 3, requires_grad=True)
+    out = fmodel(x)
+    out.sum().backward()
+    assert calls == [model]
+    if kind == "forward hook":
+        handle.remove()
+        assert torch.equal(out, fmodel(x) + 1)
+
+
+def test_the_wrapped_modules_forward_is_called_directly_while_nothing_hooks_it(monkeypatch):
+    entered: list[nn.Module] = []
+    call_impl = nn.Module._call_impl
+
+    def counting_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        entered.append(self)
+        return call_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "_call_impl", counting_call_impl)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = nn.Linear(3, 2)
+    fmodel = fabric.setup(model)
+    x = torch.randn(4, 3)
+    assert torch.equal(fmodel(x), model.forward(x)) and entered == []
+    model.register_forward_hook(lambda module, args, output: None)
+    fmodel(x)
+    assert entered == [model]  # with a hook to run, nn.Module's call again
+
+
+def test_a_module_class_with_its_own_call_is_called_as_it_wants():
+    class Counting(nn.Linear):
+        calls = 0
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            type(self).calls += 1
+            return super().__call__(*args, **kwargs) * 2
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = Counting(3, 2)
+    fmodel = fabric.setup(model)
+    x = torch.randn(4, 3)
+    assert torch.equal(fmodel(x), model.forward(x) * 2) and Counting.calls == 1
+
+
 GLOBAL_HOOKS = {
     "forward pre-hook": lambda calls: torch_module.register_module_forward_pre_hook(lambda module, args: calls.append(module)),
     "forward hook": lambda calls: torch_module.register_module_forward_hook(lambda module, args, output: calls.append(module)),
