@@ -231,7 +231,10 @@ class Fabric:
     def backward(self, tensor: Tensor, *args: Any, model: FabricModule | None = None, **kwargs: Any) -> None:
         """``tensor.backward()`` with the precision's scaling and the strategy's gradient sync."""
         if self._plain_backward:  # neither scales nor syncs by itself (DDP syncs in autograd hooks)
-            tensor.backward(*args, **kwargs)
+            if args or kwargs:
+                tensor.backward(*args, **kwargs)
+            else:  # the common call: a plain call is cheaper than one that unpacks
+                tensor.backward()
         else:
             self._strategy.backward(tensor, model._forward_module if isinstance(model, FabricModule) else model, *args, **kwargs)
 
@@ -274,6 +277,12 @@ class Fabric:
         if device_is_cpu is None:  # whether it is the CPU never changes (which GPU may, at launch)
             device_is_cpu = self._device_is_cpu = self._strategy.root_device == CPU
         if device_is_cpu:
+            if type(obj) is tuple:  # the common call, a CPU loop's (x, y): checked here, a call saved in every step
+                for item in obj:
+                    if type(item) is not Tensor or not item.is_cpu:
+                        break
+                else:
+                    return obj
             moved = as_moved_to_cpu(obj)
             if moved is not None:  # a CPU loop's batch, already there: no walk (and no second check in move_data_to_device)
                 return moved

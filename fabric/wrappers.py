@@ -224,10 +224,12 @@ class FabricOptimizer:
         wrapper.__dict__.update(_shared_attributes(optimizer))
         wrapper.__dict__["_optimizer"] = optimizer
         wrapper.__dict__["_strategy"] = strategy
-        wrapper.__dict__["_plain_step"] = plain_optimizer_step(strategy)
         # only the callbacks with the hook: the step stays free of work when none has it
         hooks = [getattr(c, "on_after_optimizer_step", None) for c in callbacks or ()]
         wrapper.__dict__["_after_step_hooks"] = [hook for hook in hooks if callable(hook)]
+        wrapper.__dict__["_plain_step"] = plain_optimizer_step(strategy) and not wrapper._after_step_hooks
+        # zero_grad only clears the optimizer's gradients: the optimizer's own, with nothing in between
+        wrapper.__dict__["zero_grad"] = optimizer.zero_grad
         return wrapper
 
     def __init__(self, optimizer: Optimizer, strategy: Strategy, callbacks: list[Any] | None = None) -> None:
@@ -257,9 +259,9 @@ class FabricOptimizer:
 
     def step(self, closure: Any = None) -> Any:
         """The strategy's step, then each callback's ``on_after_optimizer_step(strategy=..., optimizer=...)``."""
-        if self._plain_step:  # decided at set-up: the strategy's step would only call this
-            output = self._optimizer.step() if closure is None else self._optimizer.step(closure=closure)
-        elif closure is None:
+        if self._plain_step:  # decided at set-up: the strategy's step would only call this, and no callback has a hook
+            return self._optimizer.step() if closure is None else self._optimizer.step(closure=closure)
+        if closure is None:
             output = self._strategy.optimizer_step(self._optimizer)
         else:
             output = self._strategy.optimizer_step(self._optimizer, closure=closure)
@@ -295,7 +297,7 @@ def _shared_attributes(optimizer: Optimizer) -> dict[str, Any]:
     return {key: value for key, value in optimizer.__dict__.items() if key not in _NOT_SHARED}
 
 
-_NOT_SHARED = frozenset({"step", "state", "param_groups", "_after_step_hooks", "_plain_step"})
+_NOT_SHARED = frozenset({"step", "zero_grad", "state", "param_groups", "_after_step_hooks", "_plain_step"})
 
 
 # Asked once, when Fabric and its wrappers are made, so that a training step pays for no layer that adds nothing.

@@ -386,6 +386,29 @@ def test_a_tensor_on_another_device_inside_a_flat_batch_is_moved():
         move_data_to_device((X, on_meta), "cpu")
     with pytest.raises(NotImplementedError):
         move_data_to_device({"x": X, "m": on_meta}, torch.device("cpu"))
+    fabric = Fabric(accelerator="cpu", devices=1)
+    for batch in ((X, on_meta), (on_meta,), [X, on_meta]):
+        with pytest.raises(NotImplementedError):
+            fabric.to_device(batch)
+
+
+def test_zero_grad_is_the_optimizers_own_also_when_its_class_overrides_it():
+    class CountingSGD(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self.calls = getattr(self, "calls", 0) + 1
+            super().zero_grad(set_to_none=set_to_none)
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = nn.Linear(3, 1)
+    fmodel, foptimizer = fabric.setup(model, CountingSGD(model.parameters(), lr=0.1))
+    fabric.backward(fmodel(torch.randn(4, 3)).sum())
+    foptimizer.zero_grad(set_to_none=False)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+    foptimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters()) and foptimizer.optimizer.calls == 2
+    foptimizer.load_state_dict(foptimizer.state_dict())  # the wrapper's shared attributes are refreshed
+    foptimizer.zero_grad()
+    assert foptimizer.optimizer.calls == 3
 
 
 def test_set_up_loaders_give_batches_as_before():

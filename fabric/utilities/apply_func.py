@@ -8,6 +8,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 CPU = torch.device("cpu")
+_TENSOR = torch.Tensor  # read on every batch: one global lookup instead of a global and an attribute
 # containers apply_to_collection walks into; none of them has a ``.to`` (subclasses may, so exact types only)
 _PLAIN_CONTAINERS = frozenset({list, tuple, dict})
 
@@ -71,7 +72,7 @@ def as_moved_to_cpu(batch: Any) -> Any:
     the cheapest device test.
     """
     kind = type(batch)
-    if kind is torch.Tensor:
+    if kind is _TENSOR:
         return batch if batch.is_cpu else None
     if kind is tuple or kind is list:
         items = batch
@@ -80,7 +81,7 @@ def as_moved_to_cpu(batch: Any) -> Any:
     else:
         return None
     for item in items:
-        if type(item) is not torch.Tensor or not item.is_cpu:
+        if type(item) is not _TENSOR or not item.is_cpu:
             return None
     return batch if kind is tuple else kind(batch)
 
