@@ -24,10 +24,9 @@ from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.state import check_filter
 from fabric.connector import Connector
 from fabric.launching import check_launch_request, do_nothing
-from fabric.setup_inputs import check_module, check_optimizers, prepare_dataloader
+from fabric.setup_inputs import check_optimizers, prepare_dataloader, prepare_module, wrap_module
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import CPU, as_moved_to_cpu, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
-from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.rank_zero import set_rank_zero_rank
 from fabric.utilities.seed import seed_everything as _seed_everything
 from fabric.wrappers import FabricModule, FabricOptimizer, plain_backward, unwrap, unwrap_state, write_back_plain_values
@@ -178,16 +177,9 @@ class Fabric:
         A module compiled with ``torch.compile`` is wrapped inside and compiled again with the same options.
         """
         self._check_launched("setup")
-        module, compile_context = split_compiled(module)
-        check_module(module)
-        check_optimizers(optimizers)
-        module = self._strategy.precision.convert_module(module)
-        if move_to_device:
-            self._strategy.module_to_device(module)
+        module, compile_context = prepare_module(module, self._strategy, move_to_device, optimizers)
         wrapped, wrapped_optimizers = self._strategy.setup_module_and_optimizers(module, list(optimizers))
-        if compile_context is not None:
-            wrapped = compile_again(wrapped, compile_context)
-        fabric_module = FabricModule(wrapped, self._strategy, original_module=module)
+        fabric_module = wrap_module(wrapped, module, self._strategy, compile_context)
         fabric_optimizers = [FabricOptimizer(o, self._strategy, self._callbacks) for o in wrapped_optimizers]
         self.call("on_after_setup", fabric=self, module=fabric_module)
         if not optimizers:
@@ -197,15 +189,8 @@ class Fabric:
     def setup_module(self, module: Module, move_to_device: bool = True) -> FabricModule:
         """Wrap ``module`` alone (optimizers can be set up later with ``setup_optimizers``)."""
         self._check_launched("setup_module")
-        module, compile_context = split_compiled(module)
-        check_module(module)
-        module = self._strategy.precision.convert_module(module)
-        if move_to_device:
-            self._strategy.module_to_device(module)
-        wrapped = self._strategy.setup_module(module)
-        if compile_context is not None:
-            wrapped = compile_again(wrapped, compile_context)
-        return FabricModule(wrapped, self._strategy, original_module=module)
+        module, compile_context = prepare_module(module, self._strategy, move_to_device)
+        return wrap_module(self._strategy.setup_module(module), module, self._strategy, compile_context)
 
     def setup_optimizers(self, *optimizers: Optimizer) -> FabricOptimizer | tuple[FabricOptimizer, ...]:
         self._check_launched("setup_optimizers")

@@ -10,6 +10,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.strategies.strategy import Strategy
+from fabric.utilities.compile import compile_again, split_compiled
 from fabric.utilities.seed import add_worker_seeding
 from fabric.wrappers import FabricDataLoader, FabricModule, FabricOptimizer
 
@@ -19,6 +20,31 @@ def check_module(module: Any) -> None:
         raise ValueError("This model was already set up; pass each model to setup() once")
     if not isinstance(module, Module):
         raise TypeError(f"setup() takes a torch.nn.Module, got {type(module).__name__}")
+
+
+def prepare_module(
+    module: Any, strategy: Strategy, move_to_device: bool, optimizers: Sequence[Any] = ()
+) -> tuple[Module, Any]:
+    """The user's module checked, converted to the precision and moved; with the options it was compiled with.
+
+    The ``optimizers`` set up with it are checked too, before the module is changed. A ``torch.compile``-d
+    module is taken apart: the strategy wraps the module inside, which :func:`wrap_module` compiles again
+    with the same options (None: it was not compiled).
+    """
+    module, compile_context = split_compiled(module)
+    check_module(module)
+    check_optimizers(optimizers)
+    module = strategy.precision.convert_module(module)
+    if move_to_device:
+        strategy.module_to_device(module)
+    return module, compile_context
+
+
+def wrap_module(wrapped: Module, module: Module, strategy: Strategy, compile_context: Any) -> FabricModule:
+    """The ``FabricModule`` around the strategy's ``wrapped`` module (compiled again if the user's was)."""
+    if compile_context is not None:
+        wrapped = compile_again(wrapped, compile_context)
+    return FabricModule(wrapped, strategy, original_module=module)
 
 
 def check_optimizers(optimizers: Sequence[Any]) -> None:
