@@ -23,15 +23,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric._core.env import export_rendezvous
-from fabric.strategies.group_lifetime import (
+from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
+from fabric.strategies.strategy import BackwardSyncControl
+from fabric.utilities.apply_func import move_data_to_device
+from fabric.utilities.group_lifetime import (
     bind_default_arguments_before_the_group_exists,
     leave_process_group,
     leave_process_group_at_exit,
     track_ddp_module,
 )
-from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
-from fabric.strategies.strategy import BackwardSyncControl
-from fabric.utilities.apply_func import move_data_to_device
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 

@@ -28,8 +28,8 @@ from typing_extensions import override
 
 from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits
 from fabric.strategies.ddp import ProcessGroupStrategy
-from fabric.strategies.group_lifetime import track_device_mesh
 from fabric.strategies.strategy import BackwardSyncControl, _entered_together
+from fabric.utilities.group_lifetime import track_device_mesh
 
 
 class ShardedStrategy(ProcessGroupStrategy):

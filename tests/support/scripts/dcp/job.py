@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from fabric.plugins.io.full_state import save_full
 from fabric.plugins.io.sharded import load_sharded, save_sharded
 from fabric.plugins.io.state_layout import optimizer_numbered
-from fabric.strategies.group_lifetime import (
+from fabric.utilities.group_lifetime import (
     bind_default_arguments_before_the_group_exists,
     leave_process_group_at_exit,
     track_device_mesh,
