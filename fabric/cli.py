@@ -25,7 +25,8 @@ Details worth knowing:
   outright before ranks that raised (their errors are echoes), else the rank that raised first.
 * A rank whose collective timed out is diagnosed as under the launchers: which rank never arrived,
   and where it was.
-* ``OMP_NUM_THREADS`` defaults to cores / processes per node, so N ranks do not oversubscribe the CPU.
+* ``OMP_NUM_THREADS`` defaults to usable cores / processes per node, so N ranks do not oversubscribe the
+  CPU (``fabric._core.threads``; the launchers apply the same rule).
 
 Only the standard library is imported at module level; keep it that way (start-up time).
 """
@@ -37,7 +38,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from fabric._core.env import fabric_variable, find_free_port, global_rank, rank_environment
+from fabric._core.env import RUN_BY_CLI_ENV, fabric_variable, find_free_port, global_rank, rank_environment
+from fabric._core.threads import share_cores
 from fabric.run_options import DEFAULT_MAIN_PORT, PROG, RunConfig, build_run_parser, parse_run_args
 
 if TYPE_CHECKING:
@@ -78,7 +80,7 @@ def processes_per_node(config: RunConfig) -> int:
 
 def fabric_environment(config: RunConfig, nprocs: int) -> dict[str, str]:
     """The FABRIC_* variables the connector reads: the options given, and the shape of a job we start."""
-    env: dict[str, str] = {}
+    env: dict[str, str] = {RUN_BY_CLI_ENV: "1"}
     for name in ("accelerator", "strategy", "precision"):
         value = getattr(config, name)
         if value is not None:
@@ -151,9 +153,7 @@ def run(config: RunConfig) -> int:
     main_port = config.main_port
     if main_port is None:
         main_port = find_free_port() if config.num_nodes == 1 else DEFAULT_MAIN_PORT
-    if "OMP_NUM_THREADS" not in env:
-        # N ranks each using every core would oversubscribe the CPU (torchrun sets 1; we share the cores)
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nprocs))
+    share_cores(nprocs, env)  # N ranks each using every core would oversubscribe the CPU
     envs = {}
     for local_rank in range(nprocs):
         ranks = rank_environment(config.main_address, main_port, config.node_rank, config.num_nodes, nprocs, local_rank)

@@ -15,6 +15,7 @@ import socket
 __all__ = [
     "ENV_PREFIX",
     "JOB_DIR_ENV",
+    "RUN_BY_CLI_ENV",
     "STATUS_FD_ENV",
     "SUPERVISOR_PID_ENV",
     "export_rendezvous",
@@ -32,6 +33,9 @@ SUPERVISOR_PID_ENV = "FABRIC_PARENT_PID"
 STATUS_FD_ENV = "FABRIC_STATUS_FD"
 #: The job folder where ranks leave their tracebacks and, when asked, their stacks.
 JOB_DIR_ENV = "FABRIC_JOB_DIR"
+#: Set to "1" by ``fabric run`` for the processes it starts: ``Fabric()`` then sets the process up at once,
+#: so a script can call ``torch.distributed`` right after creating it (as under Lightning's CLI).
+RUN_BY_CLI_ENV = "FABRIC_RUN_BY_CLI"
 
 
 def fabric_variable(name: str) -> str:

@@ -7,7 +7,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Launcher"]
+from fabric._core.threads import share_cores
+
+__all__ = ["Launcher", "share_cores_with_torch"]
 
 
 class Launcher(ABC):
@@ -60,3 +62,12 @@ class Launcher(ABC):
         leaves the traceback where the supervisor finds it. The default stops the processes.
         """
         self.kill()
+
+
+def share_cores_with_torch(local_processes: int) -> None:
+    """Give this process and the ranks it starts their share of the cores (``fabric._core.threads``)."""
+    threads = share_cores(local_processes)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

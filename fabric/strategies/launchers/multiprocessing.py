@@ -26,7 +26,7 @@ from typing import Any
 from fabric._core.env import export_rendezvous, global_rank
 from fabric._core.processes import become_group_leader
 from fabric.strategies.launchers.diagnosis import install_stack_dump, record_failure
-from fabric.strategies.launchers.launcher import Launcher
+from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
 from fabric.strategies.launchers.rank_side import follow_supervisor, format_rank_traceback
 from fabric.strategies.launchers.supervisor import RankFailedError, Supervisor, only_in_this_process
 
@@ -97,6 +97,7 @@ class MultiprocessingLauncher(Launcher):
         env = self._strategy.cluster_environment
         # Exported before the workers start so they inherit one address and port.
         export_rendezvous(env.main_address, env.main_port)
+        share_cores_with_torch(int(self._strategy.num_processes))  # the workers inherit the variable
         try:
             node_rank = int(env.node_rank())
         except Exception:

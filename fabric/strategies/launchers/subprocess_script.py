@@ -34,7 +34,7 @@ from fabric._core.env import (
 from fabric.plugins.environments import rank_from_environment
 from fabric.strategies.launchers.command_rank import CommandRank
 from fabric.strategies.launchers.diagnosis import install_stack_dump, record_failure
-from fabric.strategies.launchers.launcher import Launcher
+from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
 from fabric.strategies.launchers.rank_side import follow_supervisor, print_rank_exception, report_raise
 from fabric.strategies.launchers.rank_zero import RankZeroSupervision
 from fabric.strategies.launchers.supervisor import Supervisor
@@ -121,6 +121,7 @@ class SubprocessScriptLauncher(Launcher):
         node_rank = int(env.node_rank())
         export_rendezvous(main_address, main_port)
         os.environ["NODE_RANK"] = str(node_rank)
+        share_cores_with_torch(self.num_processes)  # before the children start: they inherit the variable
         if self.num_processes == 1:
             return
         command = _rerun_command()
