@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 SEED_VARIABLES = ("FABRIC_GLOBAL_SEED", "PL_GLOBAL_SEED")  # ours first: it wins when both are set
 WORKERS_VARIABLES = ("FABRIC_SEED_WORKERS", "PL_SEED_WORKERS")
+# whether seed_everything ran in this process (a forked child inherits it, a spawned or re-run one does not)
+_seeded_here = False
 _MAX_SEED = np.iinfo(np.uint32).max
 _MIN_SEED = np.iinfo(np.uint32).min
 
@@ -53,6 +55,8 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds CUDA/MPS generators too
+    global _seeded_here
+    _seeded_here = True
     return seed
 
 
@@ -74,7 +78,14 @@ def seed_workers_from_environment() -> bool:
 
 
 def reset_seed() -> None:
-    """Seed again from the environment (used in freshly started processes); nothing when no seed was set."""
+    """Seed a process that starts unseeded (a spawned worker) from the seed its parent left in the environment.
+
+    A process that has seeded keeps its generators where they are: reseeding it would replay the draws
+    made since (a model's initial weights would come back as its first dropout masks). Nothing happens
+    when no seed was set.
+    """
+    if _seeded_here:
+        return
     seed = global_seed_from_environment()
     if seed is None:
         return
