@@ -16,6 +16,7 @@ from fabric.loggers.logger import (
     FolderLogger,
     add_prefix,
     params_to_dict,
+    rank_zero_experiment,
     rank_zero_only,
     to_number,
 )
@@ -84,19 +85,24 @@ class CSVLogger(FolderLogger):
         return os.path.join(self.log_dir, METRICS_FILE)
 
     @property
+    @rank_zero_experiment
     def experiment(self) -> CSVLogger:
-        """The object that writes (the logger itself: there is no third-party writer)."""
+        """The object that writes on rank 0 (the logger itself: there is no third-party writer); elsewhere one that does nothing."""
         return self
 
     # ---- logging ----------------------------------------------------------------------------------
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """Buffer one row; ``step`` defaults to the number of rows logged before it."""
+        """Buffer one row; ``step`` defaults to a metric named "step", else the number of rows logged before it.
+
+        The ``step`` column holds one value per row: a metric named "step" goes there (the ``step`` argument
+        wins when both are given).
+        """
         row = {key: to_number(value) for key, value in add_prefix(metrics, self._prefix).items()}
-        if "step" in row:
-            raise ValueError("'step' is the CSV's step column; pass it as log_metrics(..., step=...) instead of as a metric")
-        row["step"] = self._logged_rows if step is None else int(to_number(step))
+        if step is None:
+            step = row.get("step", self._logged_rows)
+        row["step"] = int(to_number(step))
         self._rows.append(row)
         self._logged_rows += 1
         if len(self._rows) >= self._flush_every:

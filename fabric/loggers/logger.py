@@ -6,12 +6,13 @@ import os
 import re
 from abc import ABC, abstractmethod
 from argparse import Namespace
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import wraps
 from typing import Any
 
 from fabric.utilities.rank_zero import rank_zero_only
 
-__all__ = ["Logger", "rank_zero_only"]
+__all__ = ["Logger", "NoOpExperiment", "rank_zero_experiment", "rank_zero_only"]
 
 DEFAULT_NAME = "fabric_logs"
 _VERSION_DIR = re.compile(r"version_(\d+)")
@@ -68,6 +69,42 @@ class Logger(ABC):
         """End the run (``status``: "success", "failed", ...); writes what is buffered."""
         self.save()
 
+
+
+class NoOpExperiment:
+    """What ``logger.experiment`` is on ranks other than 0: any method call or item access does nothing.
+
+    So ``fabric.logger.experiment.add_text(...)`` can be written once for every rank, as with Lightning.
+    """
+
+    def _nothing(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name.startswith("__"):  # copy, pickle and friends must not take it for a hook
+            raise AttributeError(name)
+        return self._nothing
+
+    def __getitem__(self, key: Any) -> NoOpExperiment:
+        return self  # experiment[0].add_image(...)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "NoOpExperiment()"
+
+
+def rank_zero_experiment(experiment: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """For a logger's ``experiment`` property: the real object on global rank 0, a :class:`NoOpExperiment` elsewhere."""
+
+    @wraps(experiment)
+    def on_rank_zero(self: Any) -> Any:
+        if rank_zero_only.rank > 0:  # type: ignore[attr-defined]
+            return NoOpExperiment()
+        return experiment(self)
+
+    return on_rank_zero
 
 
 class FolderLogger(Logger):

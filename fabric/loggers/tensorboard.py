@@ -17,6 +17,7 @@ from fabric.loggers.logger import (
     add_prefix,
     flatten,
     params_to_dict,
+    rank_zero_experiment,
     rank_zero_only,
     to_number,
 )
@@ -77,9 +78,10 @@ class TensorBoardLogger(FolderLogger):
         return self._sub_dir
 
     @property
+    @rank_zero_experiment
     def experiment(self) -> Any:
-        """The ``SummaryWriter`` (created on first use, on rank 0 only; None on the other ranks)."""
-        if self._writer is None and rank_zero_only.rank == 0:  # type: ignore[attr-defined]
+        """The ``SummaryWriter`` (created on first use, on rank 0); on other ranks an object that does nothing."""
+        if self._writer is None:
             os.makedirs(self.log_dir, exist_ok=True)
             self._writer = self._writer_class(log_dir=self.log_dir, **self._kwargs)
         return self._writer
