@@ -16,12 +16,15 @@ from torch.nn import Module
 from torch.nn.modules import module as _torch_module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.loader_progress import LoaderProgress
+from fabric.checkpoint.loader_progress import LoaderOwnState, LoaderProgress
+from fabric.checkpoint.stateful import is_stateful
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.compile import split_compiled
 
 _WRAPPER = "_forward_module."
+#: Methods of the user's module that run through the strategy's wrapper without ``mark_forward_method``.
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 _OWN_ATTRIBUTES = frozenset(
     {
         "_forward_module",
@@ -54,7 +57,8 @@ class FabricModule(Module):
         self._precision = strategy.precision
         self._fast_forward = strategy.precision.is_identity
         self._inner_prefix = _WRAPPER + _path_to(forward_module, self._original_module)
-        self._forward_methods: set[str] = set()
+        # a LightningModule's step methods run the model: through the strategy's wrapper by default, as in Lightning
+        self._forward_methods: set[str] = set(STEP_METHODS)
         # the wrapped module when its class calls like nn.Module (else None): then its forward can be called directly
         self.__dict__["_plainly_called"] = forward_module if _calls_like_module(type(forward_module)) else None
         self._register_state_dict_hook(_drop_wrapper_prefix)
@@ -314,19 +318,24 @@ def plain_optimizer_step(strategy: Strategy) -> bool:
 class FabricDataLoader:
     """Iterates like the wrapped loader, with batches moved to ``device`` and the sampler's epoch advanced.
 
-    It is also stateful (``fabric.checkpoint``'s ``PerRankStateful`` and ``CheckedStateful``), so a run
-    stopped mid-epoch can resume exactly (``docs/resume.md``): its state is where this rank is in the
-    data together with its random generator states; loading it restores the generators and makes the
-    next iteration continue at that epoch after the consumed batches, without loading them again.
+    It is also stateful (``fabric.checkpoint``'s ``CheckedStateful``). A loader with a state of its own
+    (``state_dict``/``load_state_dict``: torchdata's ``StatefulDataLoader``, litdata's
+    ``StreamingDataLoader``) keeps it: its state is what a checkpoint holds, as in Lightning Fabric. A plain
+    DataLoader gets ours, so a run stopped mid-epoch can resume exactly (``docs/resume.md``): where this
+    rank is in the data together with its random generator states (``PerRankStateful``); loading it
+    restores the generators and makes the next iteration continue at that epoch after the consumed
+    batches, without loading them again.
     """
-
-    # Fabric.save gathers this object's state from every rank: positions agree, random states differ
-    per_rank_state = True
 
     def __init__(self, dataloader: Any, device: torch.device | None = None, *, rank: int = 0, world_size: int = 1) -> None:
         self._dataloader = dataloader
         self._device = device
-        self._progress = LoaderProgress(dataloader, rank, world_size)
+        self._progress = LoaderOwnState(dataloader) if is_stateful(dataloader) else LoaderProgress(dataloader, rank, world_size)
+
+    @property
+    def per_rank_state(self) -> bool:
+        """Whether Fabric.save gathers this loader's state from every rank (our position: random states differ)."""
+        return isinstance(self._progress, LoaderProgress)
 
     @property
     def device(self) -> torch.device | None:
@@ -348,13 +357,14 @@ class FabricDataLoader:
             yield move_data_to_device(batch, device)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's position in the data and random generator states (``Fabric.save`` gathers all ranks')."""
+        """The wrapped loader's own state; for a plain loader, this rank's position and random generator states."""
         return self._progress.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the random generators now; the next iteration resumes at the saved position.
+        """Give the wrapped loader its own state back; for a plain loader, restore our position.
 
-        Takes this rank's entry when given the states of all ranks (as ``Fabric.save`` writes them).
+        Ours: the random generators are restored now and the next iteration resumes at the saved position;
+        this rank's entry is taken when given the states of all ranks (as ``Fabric.save`` writes them).
         Everything is checked before anything changes.
         """
         self._progress.load_state_dict(state_dict)

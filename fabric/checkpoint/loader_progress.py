@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from fabric.checkpoint.per_rank import state_of_rank
+from fabric.checkpoint.per_rank import is_per_rank_record, state_of_rank
 from fabric.checkpoint.random_state import capture_random_state, check_random_state, restore_random_state
 from fabric.utilities.data import loader_arguments
 
-__all__ = ["LoaderProgress", "SkipBatches", "loader_skipping"]
+__all__ = ["LoaderOwnState", "LoaderProgress", "SkipBatches", "loader_skipping"]
 
 _STATE_KEYS = ("epoch", "batches_consumed", "epoch_start", "random_state", "generators")
 
@@ -86,6 +86,38 @@ class LoaderProgress:
         state = state_of_rank(state_dict, self._rank, self._world_size, "dataloader")
         _check_loader_state(state, self._dataloader)
         return state
+
+
+class LoaderOwnState:
+    """The position of a loader that keeps its own state (``state_dict``/``load_state_dict``), which is used as it is.
+
+    A checkpoint then holds what the loader's ``state_dict()`` returns, as Lightning Fabric writes it, so
+    checkpoints move between the two. Only the sampler's epoch is advanced here, as for any set-up loader.
+    """
+
+    def __init__(self, dataloader: Any) -> None:
+        self._dataloader = dataloader
+        self._num_iter_calls = 0
+
+    def iterate(self) -> Iterator[Any]:
+        _set_sampler_epoch(self._dataloader, self._num_iter_calls)
+        self._num_iter_calls += 1
+        return iter(self._dataloader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._dataloader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._dataloader.load_state_dict(self.check_state_dict(state_dict))
+
+    def check_state_dict(self, state_dict: Any) -> Any:
+        """``state_dict`` itself; ValueError if it is our own position record (saved from a plain loader)."""
+        if is_per_rank_record(state_dict) or (isinstance(state_dict, dict) and set(_STATE_KEYS) <= set(state_dict)):
+            raise ValueError(
+                f"the saved state is fabric's position in a plain DataLoader, but this loader"
+                f" ({type(self._dataloader).__name__}) keeps a state of its own; load a checkpoint saved from this kind of loader"
+            )
+        return state_dict
 
 
 # ---- skipping consumed batches without loading them ------------------------------------------------

@@ -10,7 +10,7 @@ An entry of the ``state`` dict given to ``Fabric.save``/``Fabric.load`` is one o
   - :class:`CheckedStateful` adds ``check_state_dict(state)``, which raises ValueError when the saved
     state cannot be loaded. Loading calls it for every entry before it changes anything, so a bad
     file leaves every object as it was;
-  - :class:`PerRankStateful` sets ``per_rank_state = True``: its state differs between ranks (random
+  - :class:`PerRankStateful` has ``per_rank_state`` True: its state differs between ranks (random
     generator states), so saving gathers every rank's state into the file (``per_rank.py``) and
     ``load_state_dict`` receives the record of all ranks and picks its own;
 * anything else: saved as it is; loading puts the saved value into the ``state`` dict.
@@ -18,7 +18,7 @@ An entry of the ``state`` dict given to ``Fabric.save``/``Fabric.load`` is one o
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["CheckedStateful", "PerRankStateful", "Stateful", "checks_state", "has_per_rank_state", "is_stateful"]
 
@@ -44,7 +44,7 @@ class CheckedStateful(Stateful, Protocol):
 class PerRankStateful(Stateful, Protocol):
     """A Stateful object whose state differs between ranks; the checkpoint keeps every rank's state."""
 
-    per_rank_state: ClassVar[bool]
+    per_rank_state: bool
 
 
 def is_stateful(obj: Any) -> bool:
@@ -61,4 +61,4 @@ def checks_state(obj: Any) -> bool:
 
 def has_per_rank_state(obj: Any) -> bool:
     """Whether ``obj`` declares ``per_rank_state = True`` (:class:`PerRankStateful`)."""
-    return is_stateful(obj) and getattr(type(obj), "per_rank_state", False) is True
+    return is_stateful(obj) and getattr(obj, "per_rank_state", False) is True
