@@ -6,11 +6,12 @@ wraps objects, prints on rank 0, seeds, and dispatches to callbacks and loggers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -18,6 +19,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from fabric._core.env import RUN_BY_CLI_ENV
 from fabric.accelerators import Accelerator
 from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_argument
 from fabric.checkpoint.per_rank import gather_per_rank_states
@@ -73,6 +75,10 @@ class Fabric:
         self._launch_called = False
         self._plain_backward = plain_backward(self._strategy)  # the precision plugin is fixed from here on
         self._device_is_cpu: bool | None = None  # found on the first to_device(): a rank's device may not exist yet
+        if os.environ.get(RUN_BY_CLI_ENV) == "1":
+            # `fabric run` started every process: set this one up now, as Lightning Fabric does under its CLI,
+            # so the script may use torch.distributed (or a collective) straight after creating Fabric
+            self._set_up_process()
 
     # ---- properties -------------------------------------------------------------------------------
 
@@ -180,7 +186,10 @@ class Fabric:
         module, compile_context = prepare_module(module, self._strategy, move_to_device, optimizers)
         wrapped, wrapped_optimizers = self._strategy.setup_module_and_optimizers(module, list(optimizers))
         fabric_module = wrap_module(wrapped, module, self._strategy, compile_context)
+        lightning_module = self._register_lightning_module(module)  # before the optimizers read the callbacks' hooks
         fabric_optimizers = [FabricOptimizer(o, self._strategy, self._callbacks) for o in wrapped_optimizers]
+        if lightning_module:
+            cast(Any, module)._fabric_optimizers = fabric_optimizers
         self.call("on_after_setup", fabric=self, module=fabric_module)
         if not optimizers:
             return fabric_module
@@ -190,7 +199,22 @@ class Fabric:
         """Wrap ``module`` alone (optimizers can be set up later with ``setup_optimizers``)."""
         self._check_launched("setup_module")
         module, compile_context = prepare_module(module, self._strategy, move_to_device)
-        return wrap_module(self._strategy.setup_module(module), module, self._strategy, compile_context)
+        fabric_module = wrap_module(self._strategy.setup_module(module), module, self._strategy, compile_context)
+        self._register_lightning_module(module)
+        return fabric_module
+
+    def _register_lightning_module(self, module: Module) -> bool:
+        """Attach a LightningModule (anything with a ``_fabric`` attribute) to this Fabric, as Lightning Fabric does.
+
+        Its ``self.log``, ``self.logger``, ``self.optimizers()`` and ``self.trainer.<attribute>`` then reach this
+        object, and it becomes a callback, so ``fabric.call("on_train_epoch_end")`` runs its hooks.
+        """
+        if not hasattr(module, "_fabric"):
+            return False
+        cast(Any, module)._fabric = self
+        if not any(callback is module for callback in self._callbacks):
+            self._callbacks.append(module)
+        return True
 
     def setup_optimizers(self, *optimizers: Optimizer) -> FabricOptimizer | tuple[FabricOptimizer, ...]:
         self._check_launched("setup_optimizers")
@@ -280,20 +304,18 @@ class Fabric:
         """Move a batch (any nesting of containers of tensors) to this process's device."""
         return self._strategy.batch_to_device(batch)
 
-    @contextmanager
-    def no_backward_sync(self, module: FabricModule, enabled: bool = True) -> Generator[None, None, None]:
+    def no_backward_sync(self, module: FabricModule, enabled: bool = True) -> AbstractContextManager:
         """Skip gradient synchronization in backward inside this block (gradient accumulation).
 
-        The accumulated gradients are synchronized by the first backward outside the block.
+        The accumulated gradients are synchronized by the first backward outside the block. A module that
+        was not set up is refused here, at the call, not only when the block is entered.
         """
         if not isinstance(module, FabricModule):
             raise TypeError(f"no_backward_sync() takes the module returned by setup(), got {type(module).__name__}")
         control = self._strategy._backward_sync_control
         if not enabled or control is None:
-            yield
-            return
-        with control.no_backward_sync(module._forward_module, enabled):
-            yield
+            return nullcontext()
+        return control.no_backward_sync(module._forward_module, enabled)
 
     def init_module(self, empty_init: bool | None = None) -> AbstractContextManager:
         """Create a model's parameters directly on the device and in the precision's dtype.

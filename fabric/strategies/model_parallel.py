@@ -80,7 +80,9 @@ class ModelParallelStrategy(ShardedStrategy):
         elif self._tensor_parallel_size == "auto" and self._data_parallel_size != "auto":
             tensor = self.world_size // int(data)
         if int(data) * int(tensor) != self.world_size:
-            raise ValueError(
+            from fabric.utilities.exceptions import MeshMismatchError
+
+            raise MeshMismatchError(
                 f"data_parallel_size={self._data_parallel_size!r} and tensor_parallel_size={self._tensor_parallel_size!r}"
                 f" make a {data} x {tensor} mesh, but the job has {self.world_size} ranks; their product must equal it"
             )

@@ -27,4 +27,12 @@ class InvalidArgumentError(TypeError, ValueError):
     """
 
 
-__all__ = ["CheckpointMismatchError", "InvalidArgumentError", "MisconfigurationException"]
+class MeshMismatchError(ValueError, RuntimeError):
+    """A device mesh whose size does not fit the job's ranks.
+
+    Lightning Fabric raises a RuntimeError here, this package raised a ValueError; deriving from both, it is
+    caught by ``except`` clauses written for either.
+    """
+
+
+__all__ = ["CheckpointMismatchError", "InvalidArgumentError", "MeshMismatchError", "MisconfigurationException"]
