@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch.nn import Module
-from torch.nn.modules import module as _torch_module
 from torch.optim import Optimizer
 
 from fabric.checkpoint.loader_progress import LoaderOwnState, LoaderProgress
@@ -21,6 +20,7 @@ from fabric.checkpoint.stateful import is_stateful
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.compile import split_compiled
+from fabric.utilities.module_call import GLOBAL_HOOKS, JIT_TRACE, SKIPPING_IS_SAFE, calls_like_module
 
 _WRAPPER = "_forward_module."
 #: Methods of the user's module that run through the strategy's wrapper without ``mark_forward_method``.
@@ -38,11 +38,7 @@ _OWN_ATTRIBUTES = frozenset(
     }
 )
 # torch's hooks for every module (dicts it fills in place): while any is registered, a call takes nn.Module's path
-_global_forward_pre_hooks = _torch_module._global_forward_pre_hooks
-_global_forward_hooks = _torch_module._global_forward_hooks
-_global_backward_pre_hooks = _torch_module._global_backward_pre_hooks
-_global_backward_hooks = _torch_module._global_backward_hooks
-_jit_trace = torch.jit._trace
+_global_forward_pre_hooks, _global_forward_hooks, _global_backward_pre_hooks, _global_backward_hooks = GLOBAL_HOOKS
 
 
 class FabricModule(Module):
@@ -60,7 +56,7 @@ class FabricModule(Module):
         # a LightningModule's step methods run the model: through the strategy's wrapper by default, as in Lightning
         self._forward_methods: set[str] = set(STEP_METHODS)
         # the wrapped module when its class calls like nn.Module (else None): then its forward can be called directly
-        self.__dict__["_plainly_called"] = forward_module if _calls_like_module(type(forward_module)) else None
+        self.__dict__["_plainly_called"] = forward_module if calls_like_module(type(forward_module)) else None
         self._register_state_dict_hook(_drop_wrapper_prefix)
         self._register_load_state_dict_pre_hook(_add_wrapper_prefix, with_module=True)
         self.register_load_state_dict_post_hook(_report_without_prefix)
@@ -106,7 +102,8 @@ class FabricModule(Module):
         # dicts are read directly: attribute reads of a module cost more.
         state = self.__dict__
         if (
-            state["_forward_pre_hooks"]
+            not SKIPPING_IS_SAFE  # torch's private names did not check out (fabric.utilities.module_call)
+            or state["_forward_pre_hooks"]
             or state["_forward_hooks"]
             or state["_backward_pre_hooks"]
             or state["_backward_hooks"]
@@ -114,7 +111,7 @@ class FabricModule(Module):
             or _global_forward_hooks
             or _global_backward_pre_hooks
             or _global_backward_hooks
-            or _jit_trace._trace_module_map is not None  # what nn.Module's traced call (_slow_forward) adds
+            or JIT_TRACE._trace_module_map is not None  # a trace recording scopes (what _slow_forward adds)
         ):
             return Module.__call__(self, *args, **kwargs)
         if not state["_fast_forward"]:
@@ -176,14 +173,6 @@ class FabricModule(Module):
 
     def __repr__(self) -> str:
         return f"FabricModule({self._original_module!r})"
-
-
-def _calls_like_module(module_class: type) -> bool:
-    """Whether calling an instance of ``module_class`` is nn.Module's call (hooks, then ``forward``), unchanged."""
-    return all(
-        getattr(module_class, name, None) is getattr(Module, name, None)
-        for name in ("__call__", "_wrapped_call_impl", "_call_impl", "__getattribute__")
-    )
 
 
 def _path_to(root: Module, target: Module) -> str:

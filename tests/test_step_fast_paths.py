@@ -99,6 +99,41 @@ def test_the_wrapped_modules_forward_is_called_directly_while_nothing_hooks_it(m
     assert entered == [model]  # with a hook to run, nn.Module's call again
 
 
+def test_torchs_private_names_check_out_on_the_installed_torch():
+    from fabric.utilities import module_call
+
+    assert module_call.SKIPPING_IS_SAFE and module_call.skipping_is_safe()
+
+
+def test_a_hook_registry_the_check_does_not_know_makes_skipping_unsafe(monkeypatch):
+    from fabric.utilities import module_call
+
+    # as if torch's call read a registry of a new name: the instance hooks fabric knows miss one
+    monkeypatch.setattr(module_call, "INSTANCE_HOOKS", module_call.INSTANCE_HOOKS[:-1])
+    assert not module_call.skipping_is_safe()
+    monkeypatch.undo()
+    monkeypatch.setattr(module_call, "GLOBAL_HOOKS", (*module_call.GLOBAL_HOOKS[:-1], None))  # a registry gone
+    assert not module_call.skipping_is_safe()
+
+
+def test_when_skipping_is_unsafe_every_call_takes_nn_modules_path(monkeypatch):
+    import fabric.wrappers
+
+    entered: list[nn.Module] = []
+    call_impl = nn.Module._call_impl
+
+    def counting_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        entered.append(self)
+        return call_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(nn.Module, "_call_impl", counting_call_impl)
+    monkeypatch.setattr(fabric.wrappers, "SKIPPING_IS_SAFE", False)
+    model = nn.Linear(3, 2)
+    fmodel = Fabric(accelerator="cpu", devices=1).setup(model)
+    fmodel(torch.randn(4, 3))
+    assert entered == [fmodel, model]
+
+
 def test_a_module_class_with_its_own_call_is_called_as_it_wants():
     class Counting(nn.Linear):
         calls = 0
