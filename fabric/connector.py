@@ -102,7 +102,7 @@ class Connector:
                 num_nodes=self.num_nodes,
             )
         )
-        strategy._configure_launcher()
+        strategy.configure_launcher()
 
 
 def _from_environment(name: str, value: Any) -> Any:

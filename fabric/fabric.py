@@ -312,7 +312,7 @@ class Fabric:
         """
         if not isinstance(module, FabricModule):
             raise TypeError(f"no_backward_sync() takes the module returned by setup(), got {type(module).__name__}")
-        control = self._strategy._backward_sync_control
+        control = self._strategy.backward_sync_control
         if not enabled or control is None:
             return nullcontext()
         return control.no_backward_sync(module._forward_module, enabled)

@@ -11,33 +11,33 @@ from __future__ import annotations
 import importlib
 from typing import Any, Literal
 
-STRATEGY_REGISTRY: dict[str, tuple[str, dict[str, Any]]] = {
-    "single_device": ("fabric.strategies.single_device:SingleDeviceStrategy", {}),
-    "dp": ("fabric.strategies.dp:DataParallelStrategy", {}),
-    "ddp": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "popen"}),
-    "ddp_spawn": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "spawn"}),
-    "ddp_fork": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "fork"}),
-    "ddp_notebook": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "fork"}),
-    "ddp_forkserver": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "forkserver"}),
+StrategyLaunch = Literal["per_device", "one_per_node", "from_function", "horovodrun"]
+
+#: name -> ("module:Class", fixed constructor arguments, how its processes come to exist). The last field is
+#: the one source of that fact for ``fabric run``, which may not import the classes; a test checks that each
+#: class declares the same (``requires_launch``, ``start_method``).
+STRATEGY_REGISTRY: dict[str, tuple[str, dict[str, Any], StrategyLaunch]] = {
+    "single_device": ("fabric.strategies.single_device:SingleDeviceStrategy", {}, "one_per_node"),
+    "dp": ("fabric.strategies.dp:DataParallelStrategy", {}, "one_per_node"),
+    "ddp": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "popen"}, "per_device"),
+    "ddp_spawn": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "spawn"}, "from_function"),
+    "ddp_fork": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "fork"}, "from_function"),
+    "ddp_notebook": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "fork"}, "from_function"),
+    "ddp_forkserver": ("fabric.strategies.ddp:DDPStrategy", {"start_method": "forkserver"}, "from_function"),
     "ddp_find_unused_parameters_true": (
         "fabric.strategies.ddp:DDPStrategy",
         {"start_method": "popen", "find_unused_parameters": True},
+        "per_device",
     ),
     "ddp_spawn_find_unused_parameters_true": (
         "fabric.strategies.ddp:DDPStrategy",
         {"start_method": "spawn", "find_unused_parameters": True},
+        "from_function",
     ),
-    "horovod": ("fabric.strategies.horovod:HorovodStrategy", {}),
-    "fsdp": ("fabric.strategies.fsdp:FSDPStrategy", {}),
-    "fsdp_cpu_offload": ("fabric.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}),
+    "horovod": ("fabric.strategies.horovod:HorovodStrategy", {}, "horovodrun"),
+    "fsdp": ("fabric.strategies.fsdp:FSDPStrategy", {}, "per_device"),
+    "fsdp_cpu_offload": ("fabric.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}, "per_device"),
 }
-
-# Strategies whose processes do not follow from the registry's ``start_method``.
-_ONE_PROCESS_PER_NODE = ("single_device", "dp")
-_STARTED_BY_HOROVODRUN = ("horovod",)
-_STARTS_FROM_A_FUNCTION = ("spawn", "fork", "forkserver")
-
-StrategyLaunch = Literal["per_device", "one_per_node", "from_function", "horovodrun"]
 
 
 def strategy_launch(name: str) -> StrategyLaunch:
@@ -48,13 +48,7 @@ def strategy_launch(name: str) -> StrategyLaunch:
     ``"from_function"``: ``launch(fn)`` starts them from inside the script (spawn, fork);
     ``"horovodrun"``: Horovod's own launcher starts them.
     """
-    if name in _ONE_PROCESS_PER_NODE:
-        return "one_per_node"
-    if name in _STARTED_BY_HOROVODRUN:
-        return "horovodrun"
-    if STRATEGY_REGISTRY[name][1].get("start_method") in _STARTS_FROM_A_FUNCTION:
-        return "from_function"
-    return "per_device"
+    return STRATEGY_REGISTRY[name][2]
 
 
 _CLASSES = {
@@ -73,7 +67,7 @@ _CLASSES = {
 
 def strategy_class(name: str) -> tuple[type, dict[str, Any]]:
     """The class and fixed constructor arguments registered under ``name``."""
-    path, kwargs = STRATEGY_REGISTRY[name]
+    path, kwargs, _ = STRATEGY_REGISTRY[name]
     module_name, class_name = path.split(":")
     return getattr(importlib.import_module(module_name), class_name), dict(kwargs)
 

@@ -106,7 +106,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     # ---- life cycle ---------------------------------------------------------------------------------
 
     @override
-    def _configure_launcher(self) -> None:
+    def configure_launcher(self) -> None:
         """"popen" re-runs the script for the other local ranks; the others start worker processes."""
         from fabric.strategies.launchers import MultiprocessingLauncher, SubprocessScriptLauncher
 
@@ -118,7 +118,7 @@ class ProcessGroupStrategy(ParallelStrategy):
             # its workers run only the function given to Fabric.launch() (launcher.requires_function)
             self._launcher = MultiprocessingLauncher(self, start_method=self._start_method)
 
-    def _worker_setup(self, process_idx: int) -> None:
+    def setup_worker(self, process_idx: int) -> None:
         """Set-up of a worker started by the multiprocessing launcher: it is local rank ``process_idx``."""
         # the environment reads the local rank from here (LightningEnvironment does)
         os.environ["LOCAL_RANK"] = str(process_idx)

@@ -178,8 +178,14 @@ class Strategy(ABC):
         if choices.checkpoint_io is not None:
             self._checkpoint_io = choices.checkpoint_io
 
-    def _configure_launcher(self) -> None:
-        """Create ``self._launcher`` if this strategy starts processes of its own."""
+    def configure_launcher(self) -> None:
+        """Create ``self._launcher`` if this strategy starts processes of its own (the connector calls it once
+        the strategy holds its choices)."""
+
+    @property
+    def backward_sync_control(self) -> BackwardSyncControl | None:
+        """How ``Fabric.no_backward_sync`` turns gradient synchronization off; None when there is none to turn off."""
+        return self._backward_sync_control
 
     def setup_environment(self) -> None:
         """Prepare this process (device, process group). Runs in every process, after launching."""

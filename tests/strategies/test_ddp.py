@@ -119,7 +119,7 @@ def test_collectives_without_process_group_are_identities_but_validate():
 
 
 def test_backward_sync_control_needs_the_ddp_module():
-    control = DDPStrategy()._backward_sync_control
+    control = DDPStrategy().backward_sync_control
     with control.no_backward_sync(torch.nn.Linear(1, 1), enabled=False):
         pass
     with pytest.raises(TypeError, match="DistributedDataParallel"):

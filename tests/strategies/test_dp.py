@@ -41,7 +41,7 @@ def test_dp_strategy_shape(fabric):
     assert (fabric.global_rank, fabric.local_rank, fabric.node_rank, fabric.world_size) == (0, 0, 0, 1)
     assert fabric.is_global_zero
     assert strategy.distributed_sampler_kwargs is None
-    assert strategy._backward_sync_control is None
+    assert strategy.backward_sync_control is None
 
 
 def test_dp_trains_without_launch_and_keeps_state_dict_keys(fabric, tmp_path):

@@ -172,3 +172,23 @@ def test_save_outcome_of_an_unpicklable_error_class_is_a_runtime_error():
 
 def test_one_process_collectives_are_shared():
     assert DataParallelStrategy.all_reduce is SingleDeviceStrategy.all_reduce is single_device.OneProcessCollectives.all_reduce
+
+
+@pytest.mark.parametrize("name", sorted(__import__("fabric.strategies", fromlist=["STRATEGY_REGISTRY"]).STRATEGY_REGISTRY))
+def test_the_registry_says_how_processes_start_as_each_class_declares(name):
+    from fabric.strategies import STRATEGY_REGISTRY, strategy_class, strategy_launch
+
+    cls, kwargs = strategy_class(name)
+    strategy = cls(**kwargs)
+    declared = {
+        "one_per_node": not strategy.requires_launch,
+        "from_function": strategy.start_method in ("spawn", "fork", "forkserver"),
+        "per_device": strategy.requires_launch and strategy.start_method == "popen",
+        "horovodrun": strategy.requires_launch and strategy.start_method is None,
+    }
+    assert [launch for launch, holds in declared.items() if holds] == [strategy_launch(name)], STRATEGY_REGISTRY[name]
+
+
+def test_public_contract_members_replace_private_reaches():
+    assert DDPStrategy().backward_sync_control is not None and SingleDeviceStrategy().backward_sync_control is None
+    assert callable(DDPStrategy().setup_worker) and callable(Strategy.configure_launcher)

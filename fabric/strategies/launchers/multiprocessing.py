@@ -40,7 +40,7 @@ class MultiprocessingLauncher(Launcher):
 
     Args:
         strategy: provides ``num_processes``, ``num_nodes``, ``cluster_environment`` and
-            ``_worker_setup(process_idx)``, which each worker calls before the function
+            ``setup_worker(process_idx)``, which each worker calls before the function
             (it sets the ranks and joins the process group).
         start_method: ``"spawn"`` (default, safe everywhere), ``"fork"`` (the only one
             that works from a notebook, since nothing is pickled) or ``"forkserver"``.
@@ -301,7 +301,7 @@ def _worker(
     # the launching process asks for our stack (a signal) when a collective times out
     install_stack_dump(job_dir, rank)
     try:
-        strategy._worker_setup(process_idx)
+        strategy.setup_worker(process_idx)
         result = function(*args, **kwargs)
         payload = None
         if process_idx == 0 and result is not None:

@@ -344,7 +344,7 @@ def test_spawn_returns_tensors_and_nested_structures(clean_environ):
     # A tensor argument: skipped by the pickling probe, shared with the workers by torch.
     result = launcher.launch(mp_funcs.return_structures, torch.tensor(2.0))
     assert result["rank"] == 0 and result["value"] == 42
-    assert result["setup_idx"] == "0"  # _worker_setup ran before the function
+    assert result["setup_idx"] == "0"  # setup_worker ran before the function
     assert result["master_port"] == os.environ["MASTER_PORT"]
     assert torch.equal(result["tensor"], torch.arange(4.0) * 2.0)
     assert torch.equal(result["nested"]["ones"], torch.ones(2, 2))

@@ -39,14 +39,14 @@ class StandInEnvironment:
 
 
 class StandInStrategy:
-    """What MultiprocessingLauncher needs from a strategy; _worker_setup sets rank vars."""
+    """What MultiprocessingLauncher needs from a strategy; setup_worker sets rank vars."""
 
     def __init__(self, num_processes: int, num_nodes: int = 1) -> None:
         self.num_processes = num_processes
         self.num_nodes = num_nodes
         self.cluster_environment = StandInEnvironment()
 
-    def _worker_setup(self, process_idx: int) -> None:
+    def setup_worker(self, process_idx: int) -> None:
         os.environ["LOCAL_RANK"] = str(process_idx)
         os.environ["RANK"] = str(process_idx)
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
