@@ -180,11 +180,13 @@ def test_processes_per_node_and_fabric_variables() -> None:
     assert cli.processes_per_node(config("--devices", "1,")) == 1  # GPU index 1: one device, not zero
     assert config("--devices", "[3]").devices == "3,"
     # options not given are left to the script; the shape of a job the CLI starts is always passed on
-    assert cli.fabric_environment(config(), 1) == {}
+    # every process it starts is marked, so Fabric() sets it up at once (FABRIC_RUN_BY_CLI)
+    marked = {"FABRIC_RUN_BY_CLI": "1"}
+    assert cli.fabric_environment(config(), 1) == marked
     assert cli.fabric_environment(config("--precision", "bf16", "--accelerator", "CPU"), 1) == {
-        "FABRIC_PRECISION": "bf16", "FABRIC_ACCELERATOR": "cpu"}
-    assert cli.fabric_environment(config("--devices", "2"), 2) == {"FABRIC_DEVICES": "2"}
-    assert cli.fabric_environment(config("--num-nodes", "2"), 1) == {"FABRIC_DEVICES": "1", "FABRIC_NUM_NODES": "2"}
+        **marked, "FABRIC_PRECISION": "bf16", "FABRIC_ACCELERATOR": "cpu"}
+    assert cli.fabric_environment(config("--devices", "2"), 2) == {**marked, "FABRIC_DEVICES": "2"}
+    assert cli.fabric_environment(config("--num-nodes", "2"), 1) == {**marked, "FABRIC_DEVICES": "1", "FABRIC_NUM_NODES": "2"}
     from fabric._core.env import rank_environment
 
     env = rank_environment("127.0.0.1", 1234, node_rank=2, num_nodes=3, processes_per_node=2, local_rank=1)
