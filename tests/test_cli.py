@@ -234,7 +234,7 @@ def test_one_process_becomes_the_script_with_options_in_fabric_variables(tmp_pat
     assert shown["pid"] == proc.pid  # no extra process in between
     assert shown["argv"] == ["a", "--b", "c"]
     assert shown["rank"] is None and shown["world"] == 1
-    assert shown["fabric"] == {"FABRIC_ACCELERATOR": "cpu", "FABRIC_PRECISION": "bf16-mixed"}
+    assert shown["fabric"] == {"FABRIC_ACCELERATOR": "cpu", "FABRIC_PRECISION": "bf16-mixed", "FABRIC_RUN_BY_CLI": "1"}
     assert shown["precision"] == "bf16-mixed" and shown["device"] == "cpu"
 
 
@@ -254,7 +254,7 @@ def test_two_processes_get_rank_variables(tmp_path: Path) -> None:
         assert record["fabric"].pop("FABRIC_PARENT_PID").isdigit()
         assert "fabric-job-" in record["fabric"].pop("FABRIC_JOB_DIR")
         record["fabric"].pop("FABRIC_STATUS_FD", None)  # taken out of the environment once Fabric runs
-        assert record["fabric"] == {"FABRIC_DEVICES": "2"}
+        assert record["fabric"] == {"FABRIC_DEVICES": "2", "FABRIC_RUN_BY_CLI": "1"}
         assert record["argv"] == ["--lr", "1"]
 
 
