@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fabric import Fabric, seed_everything
+import fabric.utilities.seed as seed_module
 from fabric.utilities.seed import reset_seed, worker_init_function
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
@@ -95,6 +96,7 @@ def test_lightning_variables_are_written_and_read(monkeypatch):
     assert draw() == from_env
     del os.environ["FABRIC_GLOBAL_SEED"], os.environ["FABRIC_SEED_WORKERS"]
     monkeypatch.setenv("PL_SEED_WORKERS", "1")
+    monkeypatch.setattr(seed_module, "_seeded_here", False)  # as in a freshly started (spawned) rank
     reset_seed()  # a freshly started rank: seeds from Lightning's variables
     assert draw() == from_env
     assert os.environ["FABRIC_SEED_WORKERS"] == "1"
@@ -159,9 +161,13 @@ def test_fabric_method_is_the_same_seeding():
     assert os.environ["FABRIC_SEED_WORKERS"] == "1"
 
 
-def test_reset_seed_seeds_again_from_the_environment():
+def test_reset_seed_seeds_only_a_process_that_has_not_seeded(monkeypatch):
     seed_everything(31, workers=True)
     first = draw()
+    state = torch.get_rng_state()
+    reset_seed()  # this process seeded: its generators stay where the draws left them
+    assert torch.equal(torch.get_rng_state(), state)
+    monkeypatch.setattr(seed_module, "_seeded_here", False)  # a spawned worker starts unseeded
     reset_seed()
     assert draw() == first
     assert os.environ["FABRIC_SEED_WORKERS"] == "1"
