@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from fabric.strategies.launchers.command_rank import CommandRank
-from fabric.strategies.launchers.signals import SignalPipe
-from fabric.strategies.launchers.supervisor import JobResult, RankFailure, Supervisor
+from fabric.supervision.command_rank import CommandRank
+from fabric.supervision.signals import SignalPipe
+from fabric.supervision.supervisor import JobResult, RankFailure, Supervisor
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the supervisor tests use pidfds and /proc", allow_module_level=True)

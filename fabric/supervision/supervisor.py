@@ -35,8 +35,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from fabric._core.processes import kill_process_groups, signal_name
-from fabric.strategies.launchers.diagnosis import create_job_dir, diagnose, remove_job_dir
-from fabric.strategies.launchers.signals import SignalForwarding, SignalPipe
+from fabric.supervision.diagnosis import create_job_dir, diagnose, remove_job_dir
+from fabric.supervision.signals import SignalForwarding, SignalPipe
 
 __all__ = [
     "GRACE_S",
