@@ -5,7 +5,7 @@ rank processes to the one :class:`Supervisor`, so a failure is handled the same 
 started. The modules:
 
 * :mod:`~fabric.supervision.supervisor`: :class:`Supervisor`, the rank handle it needs
-  (:class:`RankProcess`) and the job's result (:class:`JobResult`);
+  (:class:`RankProcess`), the ranks' states (:class:`RankState`) and the job's result (:class:`JobResult`);
 * :mod:`~fabric.supervision.diagnosis`: for a collective timeout, which rank never arrived and where each was;
 * :mod:`~fabric.supervision.signals`: signals to the supervising process, and the ones passed on to the ranks;
 * :mod:`~fabric.supervision.rank_side`: what runs inside a rank (it never outlives its supervisor, reports
@@ -19,6 +19,6 @@ Every module imports only the standard library (and :mod:`fabric._core`) at impo
 torch nor the rest of fabric, so ``fabric run`` starts ranks without paying for ``import torch``.
 """
 
-from fabric.supervision.supervisor import JobResult, RankFailedError, RankFailure, RankProcess, Supervisor
+from fabric.supervision.supervisor import JobResult, RankFailedError, RankFailure, RankProcess, RankState, Supervisor
 
-__all__ = ["JobResult", "RankFailedError", "RankFailure", "RankProcess", "Supervisor"]
+__all__ = ["JobResult", "RankFailedError", "RankFailure", "RankProcess", "RankState", "Supervisor"]
