@@ -17,7 +17,7 @@ started. The modules:
 
 Every module imports only the standard library (and :mod:`fabric._core`) at import time, never
 torch nor the rest of fabric, so ``fabric run`` starts ranks without paying for ``import torch``.
-``tests/test_import_cost_guard.py`` holds this line.
+``tests/test_import_cost_guard.py`` keeps it that way.
 """
 
 from fabric.supervision.supervisor import JobResult, RankFailedError, RankFailure, RankProcess, RankState, Supervisor
