@@ -6,7 +6,7 @@ process is replaced by it). More processes per node, or more nodes, are started 
 variables torchrun exports (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``NODE_RANK``), so inside the script Fabric finds a complete job
 and launches nothing. This process then watches the ranks of its node with the same supervisor the launchers use
-(``fabric.strategies.launchers.supervisor``): the first rank that fails brings the others down and its
+(``fabric.supervision.supervisor``): the first rank that fails brings the others down and its
 exit status becomes the command's.
 
 Why our own small launcher instead of ``torch.distributed.run``: it needs only the standard library
@@ -16,10 +16,10 @@ signal forwarding are exactly what this module says, on every node.
 Details worth knowing:
 
 * Each rank is its own process group (so it is stopped together with its subprocesses) and never
-  outlives `fabric run`, even when that is killed with SIGKILL (see ``launchers.rank_side``).
+  outlives `fabric run`, even when that is killed with SIGKILL (see ``fabric.supervision.rank_side``).
 * SIGUSR1 and SIGTERM (the cluster's pre-emption warnings) are passed on to every rank's own
   process, which decides when to stop (``fabric.preempted``); after SIGTERM the ranks get
-  ``--shutdown-timeout`` seconds to end, and the job ends with their status (``launchers.signals``).
+  ``--shutdown-timeout`` seconds to end, and the job ends with their status (``fabric.supervision.signals``).
   SIGINT, SIGHUP or a second SIGTERM stop every rank at once: exit status 128 + the signal.
 * When several ranks fail, the root cause is reported and its status returned: a rank that died
   outright before ranks that raised (their errors are echoes), else the rank that raised first.
@@ -43,7 +43,7 @@ from fabric._core.threads import share_cores
 from fabric.run_options import DEFAULT_MAIN_PORT, PROG, RunConfig, build_run_parser, parse_run_args
 
 if TYPE_CHECKING:
-    from fabric.strategies.launchers.node_rendezvous import NodeRendezvous
+    from fabric.supervision.node_rendezvous import NodeRendezvous
 
 __all__ = ["main", "run", "build_run_parser"]
 
@@ -110,9 +110,9 @@ def _run_ranks(
     up to ``max_restarts`` times, each attempt with ``TORCHELASTIC_RESTART_COUNT`` set as torchrun sets
     it; with several nodes, every node's attempts go together through ``nodes`` (torch's elastic rendezvous).
     """
-    from fabric.strategies.launchers.command_rank import CommandRank
-    from fabric.strategies.launchers.signals import SignalForwarding, supervising_signals
-    from fabric.strategies.launchers.supervisor import Supervisor
+    from fabric.supervision.command_rank import CommandRank
+    from fabric.supervision.signals import SignalForwarding, supervising_signals
+    from fabric.supervision.supervisor import Supervisor
 
     first = min(envs)
 
@@ -122,7 +122,7 @@ def _run_ranks(
         # local rank 0 keeps the terminal's stdin, as under torchrun
         return CommandRank(rank, command, env, job_dir, keep_stdin=rank == first)
 
-    # SIGINT/SIGHUP stop the job; SIGTERM/SIGUSR1 are passed on to the ranks (launchers/signals.py)
+    # SIGINT/SIGHUP stop the job; SIGTERM/SIGUSR1 are passed on to the ranks (fabric/supervision/signals.py)
     with supervising_signals() as signals:
         forwarding = SignalForwarding(shutdown_timeout, report=_say)
         supervisor = Supervisor(start_rank, sorted(envs), signals=signals, forwarding=forwarding)
@@ -160,7 +160,7 @@ def run(config: RunConfig) -> int:
         envs[global_rank(config.node_rank, nprocs, local_rank)] = {**env, **ranks}
     nodes = None
     if config.num_nodes > 1 and config.max_restarts:  # the one path of `fabric run` that imports torch
-        from fabric.strategies.launchers.node_rendezvous import NodeRendezvous
+        from fabric.supervision.node_rendezvous import NodeRendezvous
 
         nodes = NodeRendezvous(config.main_address, main_port, config.node_rank, config.num_nodes, config.rdzv_id)
     return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts, nodes, config.shutdown_timeout)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fabric import cli, run_options
-from fabric.strategies.launchers.signals import SHUTDOWN_TIMEOUT_S
+from fabric.supervision.signals import SHUTDOWN_TIMEOUT_S
 from support import PYTHON
 from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
 from support.loading import script_path
@@ -71,7 +71,7 @@ def test_fabric_run_starts_ranks_without_importing_torch(tmp_path: Path) -> None
     command = [PYTHON, "-X", "importtime", "-m", "fabric", "run", "--devices", "2", str(RANKS_ENV), str(tmp_path)]
     result = run(command, timeout=35)
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "fabric.strategies.launchers.supervisor" in imported  # the report is complete: the supervisor ran
+    assert "fabric.supervision.supervisor" in imported  # the report is complete: the supervisor ran
     heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "numpy", "lightning_utilities"))
     assert not heavy, heavy
     assert sorted(read_ranks(tmp_path)) == [0, 1]

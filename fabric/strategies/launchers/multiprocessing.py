@@ -1,7 +1,7 @@
 """Launch ranks as child processes of this one ("spawn", "fork", "forkserver").
 
 Unlike the popen launcher, the launching process is not a rank: it starts ``num_processes`` workers,
-watches them with the job's :class:`~fabric.strategies.launchers.supervisor.Supervisor`, and hands the
+watches them with the job's :class:`~fabric.supervision.supervisor.Supervisor`, and hands the
 return value of process 0 back to the caller. A worker is a :class:`WorkerRank` handle: its sentinel
 says when it ended, and a pipe carries its result or its traceback.
 """
@@ -25,10 +25,10 @@ from typing import Any
 
 from fabric._core.env import export_rendezvous, global_rank
 from fabric._core.processes import become_group_leader
-from fabric.strategies.launchers.diagnosis import install_stack_dump, record_failure
 from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
-from fabric.strategies.launchers.rank_side import follow_supervisor, format_rank_traceback
-from fabric.strategies.launchers.supervisor import RankFailedError, Supervisor, only_in_this_process
+from fabric.supervision.diagnosis import install_stack_dump, record_failure
+from fabric.supervision.rank_side import follow_supervisor, format_rank_traceback
+from fabric.supervision.supervisor import RankFailedError, Supervisor, only_in_this_process
 
 __all__ = ["MultiprocessingLauncher", "RankFailedError"]
 

@@ -3,7 +3,7 @@
 The process the user started becomes local rank 0. Every other local rank is the same command started
 again with rank variables in its environment, so nothing is pickled and any script that can be run
 twice works. The price is that rank 0 is the user's own process, not a neutral supervisor, so the job's
-:class:`~fabric.strategies.launchers.supervisor.Supervisor` runs inside rank 0:
+:class:`~fabric.supervision.supervisor.Supervisor` runs inside rank 0:
 
 * a daemon thread waits on the supervisor and ends the whole job (rank 0 included) as soon as another
   rank fails; if rank 0 itself fails, hooks on the interpreter (``sys.excepthook``, ``atexit``,
@@ -32,12 +32,12 @@ from fabric._core.env import (
     rank_environment,
 )
 from fabric.plugins.environments import rank_from_environment
-from fabric.strategies.launchers.command_rank import CommandRank
-from fabric.strategies.launchers.diagnosis import install_stack_dump, record_failure
 from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
-from fabric.strategies.launchers.rank_side import follow_supervisor, print_rank_exception, report_raise
-from fabric.strategies.launchers.rank_zero import RankZeroSupervision
-from fabric.strategies.launchers.supervisor import Supervisor
+from fabric.supervision.command_rank import CommandRank
+from fabric.supervision.diagnosis import install_stack_dump, record_failure
+from fabric.supervision.rank_side import follow_supervisor, print_rank_exception, report_raise
+from fabric.supervision.rank_zero import RankZeroSupervision
+from fabric.supervision.supervisor import Supervisor
 
 __all__ = ["SubprocessScriptLauncher"]
 

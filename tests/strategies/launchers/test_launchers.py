@@ -28,8 +28,8 @@ from fabric.strategies.launchers import (  # noqa: E402
     RankFailedError,
     SubprocessScriptLauncher,
 )
-from fabric.strategies.launchers.rank_side import label_lines  # noqa: E402
-from fabric.strategies.launchers.supervisor import describe_exit  # noqa: E402
+from fabric.supervision.rank_side import label_lines  # noqa: E402
+from fabric.supervision.supervisor import describe_exit  # noqa: E402
 from support import REPO, TESTS  # noqa: E402
 from support.environment import clean_env, is_job_variable  # noqa: E402
 from support.loading import script_path  # noqa: E402

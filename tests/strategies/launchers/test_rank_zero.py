@@ -21,8 +21,8 @@ if not sys.platform.startswith("linux"):
 _RANK_ZERO = textwrap.dedent(
     """
     import sys, time
-    from fabric.strategies.launchers.rank_zero import RankZeroSupervision
-    from fabric.strategies.launchers.supervisor import JobResult, RankFailure
+    from fabric.supervision.rank_zero import RankZeroSupervision
+    from fabric.supervision.supervisor import JobResult, RankFailure
 
     class SlowToStop:
         own_rank = 0

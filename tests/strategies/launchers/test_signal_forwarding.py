@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric.strategies.launchers.signals import SHUTDOWN_TIMEOUT_S, SignalForwarding, SignalPipe
+from fabric.supervision.signals import SHUTDOWN_TIMEOUT_S, SignalForwarding, SignalPipe
 from support.loading import script_path
 from support.processes import fabric_run, finish, read_ranks, start, wait_dead, wait_for_files
 

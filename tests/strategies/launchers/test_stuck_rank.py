@@ -147,7 +147,7 @@ def test_stuck_rank_is_named_and_the_job_ends(jobs, name):
 
 import torch  # noqa: E402
 
-from fabric.strategies.launchers import diagnosis  # noqa: E402
+from fabric.supervision import diagnosis  # noqa: E402
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 GLOO_TIMEOUT = f'''Traceback (most recent call last):

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from fabric.strategies.launchers.command_rank import CommandRank
-from fabric.strategies.launchers.signals import SignalPipe
-from fabric.strategies.launchers.supervisor import JobResult, RankFailure, Supervisor
+from fabric.supervision.command_rank import CommandRank
+from fabric.supervision.signals import SignalPipe
+from fabric.supervision.supervisor import JobResult, RankFailure, RankState, Supervisor, rank_state
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the supervisor tests use pidfds and /proc", allow_module_level=True)
@@ -150,3 +150,41 @@ def test_exit_status_of_each_kind_of_result() -> None:
     assert JobResult(failure=RankFailure(1, 10, None, True)).exit_status == 1  # raised, still shutting down
     assert JobResult(stopped="another node ended the job").exit_status == 1
     assert RankFailure(2, 11, 1, True).describe() == "rank 2 raised an exception (exit code 1) (traceback above), pid 11"
+
+
+class _Handle:
+    """Just what ``rank_state`` reads of a rank handle."""
+
+    def __init__(self, raised_at: float | None = None) -> None:
+        self.raised_at = raised_at
+
+
+def test_rank_states_follow_the_exit_code_unless_the_rank_raised() -> None:
+    assert rank_state(_Handle(), None) is RankState.RUNNING
+    assert rank_state(_Handle(), 0) is RankState.SUCCEEDED
+    assert rank_state(_Handle(), 3) is RankState.DIED
+    assert rank_state(_Handle(), -signal.SIGKILL) is RankState.DIED
+    # a rank that reported an exception has failed, still unwinding or ended, whatever its code
+    for code in (None, 0, 1):
+        assert rank_state(_Handle(raised_at=1.0), code) is RankState.RAISED
+    assert [state for state in RankState if state.failed] == [RankState.RAISED, RankState.DIED]
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisor_reports_each_ranks_state() -> None:
+    supervisor = _supervisor({0: ("ok", 0.0), 1: ("exit3", 0.0), 2: ("raise", 0.0), 3: ("sleep", 0)})
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(supervisor.alive()) > 1 and time.monotonic() < deadline:
+            supervisor._watch(0.1)
+        assert supervisor.states() == {
+            0: RankState.SUCCEEDED,
+            1: RankState.DIED,
+            2: RankState.RAISED,
+            3: RankState.RUNNING,
+        }
+    finally:
+        supervisor.stop()
+        supervisor.close()
+    assert supervisor.states()[3] is RankState.DIED  # stopped by SIGTERM: not a rank that succeeded

@@ -13,13 +13,13 @@ import subprocess
 from collections.abc import Collection, Mapping
 
 from fabric._core.env import JOB_DIR_ENV, STATUS_FD_ENV, SUPERVISOR_PID_ENV
-from fabric.strategies.launchers.rank_side import rank_command
+from fabric.supervision.rank_side import rank_command
 
 __all__ = ["CommandRank"]
 
 
 class CommandRank:
-    """One rank process started from ``command`` (a :class:`~fabric.strategies.launchers.supervisor.RankProcess`)."""
+    """One rank process started from ``command`` (a :class:`~fabric.supervision.supervisor.RankProcess`)."""
 
     def __init__(
         self,

@@ -16,6 +16,8 @@ ends or reports); everything else is decided here, once:
   made before any rank is stopped, while the stuck ones can still be asked for their stacks.
 * **Stopping**: SIGTERM to every rank's process group, :data:`GRACE_S` seconds, then SIGKILL.
 * **Pre-emption warnings** are passed on to the ranks where a :class:`SignalForwarding` is given.
+* **Rank states**: each rank is :class:`RankState` ``RUNNING``, ``SUCCEEDED``, ``RAISED`` or ``DIED``
+  (:func:`rank_state`); a job has failed as soon as one rank has ``RAISED`` or ``DIED``.
 * **Results are data**: :meth:`Supervisor.wait` returns a :class:`JobResult` (nothing failed, which
   rank failed and how, or which signal the supervisor was asked to stop for); the caller decides
   what to do: exit with its status, raise :class:`RankFailedError`, or start the ranks again.
@@ -32,11 +34,12 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Protocol
 
 from fabric._core.processes import kill_process_groups, signal_name
-from fabric.strategies.launchers.diagnosis import create_job_dir, diagnose, remove_job_dir
-from fabric.strategies.launchers.signals import SignalForwarding, SignalPipe
+from fabric.supervision.diagnosis import create_job_dir, diagnose, remove_job_dir
+from fabric.supervision.signals import SignalForwarding, SignalPipe
 
 __all__ = [
     "GRACE_S",
@@ -45,10 +48,12 @@ __all__ = [
     "RankFailedError",
     "RankFailure",
     "RankProcess",
+    "RankState",
     "SETTLE_S",
     "Supervisor",
     "describe_exit",
     "only_in_this_process",
+    "rank_state",
 ]
 
 #: Seconds the ranks get between SIGTERM and SIGKILL when the job is stopped.
@@ -121,6 +126,41 @@ class RankProcess(Protocol):
 
     def close(self) -> None:
         """Release the descriptors; the process itself is left alone."""
+
+
+class RankState(Enum):
+    """Where a rank stands, as its supervisor sees it (:func:`rank_state`).
+
+    ``RAISED`` wins over the exit code: a rank that reported an exception has failed whether it is still
+    unwinding, already ended, or even ended with code 0. Whether its process still runs is a separate
+    question (:meth:`Supervisor.alive`): a rank that raised may be alive for a while yet.
+    """
+
+    #: not ended, and no exception reported
+    RUNNING = "running"
+    #: ended with exit code 0 without reporting an exception
+    SUCCEEDED = "succeeded"
+    #: reported an exception (see ``RankProcess.raised_at``), ended or not
+    RAISED = "raised"
+    #: ended with a non-zero code or killed by a signal, without reporting an exception: the likelier
+    #: root cause of a failure (see the module's rule)
+    DIED = "died"
+
+    @property
+    def failed(self) -> bool:
+        return self is RankState.RAISED or self is RankState.DIED
+
+
+def rank_state(handle: RankProcess, exitcode: int | None) -> RankState:
+    """The state of the rank behind ``handle``, whose ``poll()`` just returned ``exitcode``.
+
+    Poll first: a handle may take in the rank's last report (its ``raised_at``) while it is polled.
+    """
+    if handle.raised_at is not None:
+        return RankState.RAISED
+    if exitcode is None:
+        return RankState.RUNNING
+    return RankState.SUCCEEDED if exitcode == 0 else RankState.DIED
 
 
 @dataclass(frozen=True)
@@ -315,11 +355,11 @@ class Supervisor:
             forwarded = forwarding.forwarded if forwarding is not None else None
             if signum is not None:
                 return JobResult(signal=signum, forwarded=forwarded)
-            if self._failed():
+            if any(state.failed for _, state in self._states()):
                 cause = self.root_cause()
                 assert cause is not None
                 return JobResult(failure=self.failure_of(cause), diagnosis=self.diagnose(), forwarded=forwarded)
-            if all(code == 0 for code in self._exit_codes()):
+            if all(state is RankState.SUCCEEDED for _, state in self._states()):
                 return JobResult(forwarded=forwarded)
             if forwarding is not None and forwarding.overdue():
                 return JobResult(signal=signal.SIGTERM, forwarded=forwarded)
@@ -346,21 +386,26 @@ class Supervisor:
         return next(handle for handle in self.ranks if handle.rank == rank)
 
     def alive(self) -> list[RankProcess]:
+        """The ranks whose process has not ended (a rank that raised may be among them, still unwinding)."""
         return [handle for handle, code in zip(self.ranks, self._exit_codes()) if code is None]
+
+    def states(self) -> dict[int, RankState]:
+        """Every started rank's :class:`RankState`, by rank, as of now."""
+        return {handle.rank: state for handle, state in self._states()}
 
     def root_cause(self, settle: float = SETTLE_S) -> RankProcess | None:
         """The failed rank most likely at the root of the failure (see the module's rule), or None."""
         deadline = time.monotonic() + settle
         while True:
-            failed = self._failed()
-            died = [handle for handle in failed if handle.raised_at is None]
+            states = self._states()
+            died = [handle for handle, state in states if state is RankState.DIED]
             remaining = deadline - time.monotonic()
             if died or remaining <= 0 or not self.alive():
                 break
             self._watch(min(remaining, POLL_S))
         if died:
             return min(died, key=lambda handle: (self._ended_at.get(handle.rank, float("inf")), handle.rank))
-        raised = [handle for handle in failed if handle.raised_at is not None]
+        raised = [handle for handle, state in states if state is RankState.RAISED]
         return min(raised, key=lambda handle: (handle.raised_at, handle.rank)) if raised else None
 
     def failure_of(self, handle: RankProcess) -> RankFailure:
@@ -372,7 +417,7 @@ class Supervisor:
         When the calling process is a rank (``own_rank``): ``own_trace`` is its traceback if it raised;
         ``own_running`` says whether it is still training (its stack is then part of the picture).
         """
-        live = {h.rank: h.pid for h in self.alive() if h.raised_at is None and h.pid is not None}
+        live = {h.rank: h.pid for h, state in self._states() if state is RankState.RUNNING and h.pid is not None}
         raised = {h.rank: h.traceback for h in self.ranks if h.traceback is not None}
         own = self.own_rank
         if own is not None and own_trace is not None:
@@ -394,8 +439,9 @@ class Supervisor:
                 self._ended_at.setdefault(handle.rank, now)
         return codes
 
-    def _failed(self) -> list[RankProcess]:
-        return [h for h, code in zip(self.ranks, self._exit_codes()) if h.raised_at is not None or code not in (None, 0)]
+    def _states(self) -> list[tuple[RankProcess, RankState]]:
+        """Each rank with its state; every rank is polled before any ``raised_at`` is read."""
+        return [(handle, rank_state(handle, code)) for handle, code in zip(self.ranks, self._exit_codes())]
 
     def _watch(self, timeout: float) -> None:
         """Sleep until a rank ends or reports, a signal arrives, or ``timeout`` passes; take the news in."""

@@ -19,9 +19,9 @@ from types import TracebackType
 from typing import Any
 
 from fabric._core.processes import descendant_pids, flush_stdio, kill_processes, signal_name
-from fabric.strategies.launchers.rank_side import print_rank_exception, write_stderr
-from fabric.strategies.launchers.signals import SignalPipe
-from fabric.strategies.launchers.supervisor import GRACE_S, POLL_S, JobResult, Supervisor, only_in_this_process
+from fabric.supervision.rank_side import print_rank_exception, write_stderr
+from fabric.supervision.signals import SignalPipe
+from fabric.supervision.supervisor import GRACE_S, POLL_S, JobResult, Supervisor, only_in_this_process
 
 __all__ = ["RankZeroSupervision"]
 

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from fabric._core.processes import flush_stdio, kill_own_group_and_exit, process_alive
-from fabric.strategies.launchers.supervisor import GRACE_S, POLL_S
+from fabric.supervision.supervisor import GRACE_S, POLL_S
 
 __all__ = [
     "follow_supervisor",

@@ -29,8 +29,8 @@ from typing import Any
 
 from fabric._core.env import find_free_port
 from fabric._core.processes import signal_name
-from fabric.strategies.launchers.signals import SignalPipe
-from fabric.strategies.launchers.supervisor import POLL_S, JobResult, Supervisor, wait_readable
+from fabric.supervision.signals import SignalPipe
+from fabric.supervision.supervisor import POLL_S, JobResult, Supervisor, wait_readable
 
 __all__ = ["JOIN_TIMEOUT_S", "OTHER_NODE_RESTARTS", "NodeRendezvous", "default_run_id"]
 

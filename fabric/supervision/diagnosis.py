@@ -300,8 +300,7 @@ def _short_path(filename: str) -> str:
 
 
 def _library_roots() -> tuple[str, ...]:
-    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # fabric/strategies
-    roots.append(os.path.dirname(roots[0]))  # fabric
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # fabric (this file: fabric/supervision/)
     for name in ("torch", "horovod", "lightning_utilities"):
         try:
             spec = importlib.util.find_spec(name)
