@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import Tensor
 from torch.nn import Module
@@ -18,10 +18,8 @@ from torch.optim import Optimizer
 from fabric.checkpoint.stateful import checks_state, is_stateful
 from fabric.utilities.exceptions import CheckpointMismatchError
 
-if TYPE_CHECKING:
-    from fabric.strategies.strategy import Strategy
-
 __all__ = [
+    "StateDictHooks",
     "check_entries_present",
     "check_filter",
     "check_optimizer_state_fits",
@@ -35,7 +33,20 @@ __all__ = [
 StateFilter = dict[str, Callable[[str, Any], bool]]
 
 
-def collect_states(strategy: Strategy, state: dict[str, Any], filter: StateFilter | None = None) -> dict[str, Any]:
+class StateDictHooks(Protocol):
+    """What a module or an optimizer becomes in a checkpoint, and how it comes back: the strategy's answer
+    (DDP drops its wrapper's prefix; a sharded strategy hands full tensors to sharded parameters)."""
+
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]: ...
+
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None: ...
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None: ...
+
+
+def collect_states(strategy: StateDictHooks, state: dict[str, Any], filter: StateFilter | None = None) -> dict[str, Any]:
     """``state`` with every module, optimizer and Stateful object replaced by its state dict.
 
     ``filter`` maps a key to a ``(name, value) -> bool`` predicate choosing the entries of that state dict to keep.
@@ -96,7 +107,7 @@ def check_filter(filter: Any, state: dict[str, Any]) -> None:
 
 
 def restore_states(
-    strategy: Strategy, state: dict[str, Any], checkpoint: Any, path: str | os.PathLike, strict: bool = True
+    strategy: StateDictHooks, state: dict[str, Any], checkpoint: Any, path: str | os.PathLike, strict: bool = True
 ) -> dict[str, Any]:
     """Load ``checkpoint``'s entries (read from ``path``) into the objects of ``state``; return the rest.
 
