@@ -13,10 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fabric.checkpoint import layout
+from fabric.checkpoint import fit, layout
 from fabric.checkpoint.agreement import broadcast_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import wait_for_pending_save
 from fabric.checkpoint.layout import MODULE, OPTIMIZER
+from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import CheckpointIO, publish
 from fabric.plugins.io.publish import atomic_save
 from fabric.plugins.io.single_file import safe_load
@@ -37,7 +38,7 @@ def save_full(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
-    entries = layout.state_dicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True), filter)
+    entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True)), state, filter)
 
     def write() -> None:  # rank 0 holds the full tensors (cpu_offload): it alone writes
         checkpoint = {
@@ -89,23 +90,23 @@ def load_full(
         return checkpoint
     if not isinstance(checkpoint, dict):
         raise TypeError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-    layout.check_entries_present(path, state, checkpoint, strict)
+    fit.check_entries_present(path, state, checkpoint, strict)
     present = [key for key in state if key in checkpoint]
     named: dict[str, Any] = {}
     for key in present:  # every check first: a misfit changes nothing
         obj, saved = state[key], checkpoint[key]
         kind = layout.kind_of(obj)
         if kind == MODULE:
-            current = layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
+            current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
             if not isinstance(saved, dict):
-                raise TypeError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
-            layout.check_module_fits(key, current, layout.tensor_shapes(saved), strict)
+                raise fit.CheckpointMismatchError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
+            fit.check_module_fits(f"the model in state[{key!r}]", current, fit.tensor_shapes(saved), strict)
         elif kind == OPTIMIZER:
-            current = layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
+            current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
             named[key] = layout.optimizer_named(saved, current, key)
-            layout.check_optimizer_fits(key, named[key], current)
+            fit.check_optimizer_fits(key, named[key], current)
         else:
-            layout.check_stateful_entry(key, obj, saved)
+            fit.check_stateful_entry(key, obj, saved)
     for key in present:
         obj, saved = state[key], checkpoint.pop(key)
         kind = layout.kind_of(obj)

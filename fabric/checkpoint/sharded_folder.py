@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fabric.checkpoint import layout
+from fabric.checkpoint import fit, layout
 from fabric.checkpoint.agreement import broadcast_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import (
     SaveHandle,
@@ -30,6 +30,7 @@ from fabric.checkpoint.async_save import (
     wait_for_pending_save,
 )
 from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
+from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import publish
 from fabric.plugins.io.publish import atomic_save
 from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
@@ -58,7 +59,7 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
-    entries = layout.state_dicts(state, StateDictOptions(), filter)
+    entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, filter)
     kinds = {key: layout.kind_of(obj) for key, obj in state.items()}
     skeleton, tensors, paths = layout.split_tensors(entries, kinds)
     objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
@@ -157,7 +158,7 @@ def load_sharded(
             f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
         )
     skeleton, kinds, paths = objects["skeleton"], objects["kinds"], objects["tensors"]
-    layout.check_entries_present(path, state, skeleton, strict)
+    fit.check_entries_present(path, state, skeleton, strict)
     present = {key: obj for key, obj in state.items() if key in skeleton}
     targets = _check_and_prepare(present, state, kinds, skeleton, paths, index, strict)
     destinations = {
@@ -191,19 +192,19 @@ def _check_and_prepare(
     for key, obj in present.items():
         kind, saved_kind = layout.kind_of(obj), kinds.get(key, OTHER)
         if kind != saved_kind:
-            raise TypeError(f"state[{key!r}] is a {kind} here but the checkpoint holds a {saved_kind} under that key")
+            fit.check_kind(key, kind, saved_kind)
         if kind == OTHER:
-            layout.check_stateful_entry(key, obj, skeleton[key])
+            fit.check_stateful_entry(key, obj, skeleton[key])
             continue
-        current = layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
+        current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
         own = {flat: path for flat, path in paths.items() if path[0] == key}
         if kind == MODULE:
             saved_shapes: dict[str, Any] = {name: None for name in skeleton[key]}
             for flat, path in own.items():
                 saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
-            layout.check_module_fits(key, current, saved_shapes, strict)
+            fit.check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)
         else:
-            layout.check_optimizer_fits(key, skeleton[key], current)
+            fit.check_optimizer_fits(key, skeleton[key], current)
         _, current_tensors, current_paths = layout.split_tensors({key: current}, {key: kind})
         by_path = {path: flat for flat, path in current_paths.items()}
         into = {}
@@ -212,7 +213,7 @@ def _check_and_prepare(
                 target = current_tensors[by_path[path]]
                 saved = index.state_dict_metadata[flat]
                 if tuple(saved.size) != tuple(target.shape):
-                    raise RuntimeError(
+                    raise fit.CheckpointMismatchError(
                         f"state[{key!r}]: {'/'.join(map(str, path[1:]))!r} has shape {tuple(saved.size)} in the"
                         f" checkpoint but {tuple(target.shape)} here"
                     )

@@ -25,8 +25,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from fabric.checkpoint.fit import check_optimizer_state_fits, check_state_dict_fits
 from fabric.checkpoint.pipeline import CheckpointFormat
-from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits
 from fabric.strategies.ddp import ProcessGroupStrategy
 from fabric.strategies.strategy import BackwardSyncControl, _entered_together
 from fabric.utilities.group_lifetime import track_device_mesh

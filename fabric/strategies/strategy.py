@@ -23,8 +23,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.checkpoint import pipeline
+from fabric.checkpoint.fit import check_optimizer_state_fits, check_state_dict_fits
 from fabric.checkpoint.pipeline import CheckpointFormat
-from fabric.checkpoint.state import StateFilter, check_optimizer_state_fits, check_state_dict_fits
+from fabric.checkpoint.state import StateFilter
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from fabric.plugins.precision import Precision
 from fabric.utilities.apply_func import move_data_to_device
