@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from fabric import Fabric  # noqa: E402
-from fabric.plugins.io import single_file as fabric_io  # noqa: E402
+from fabric.plugins.io import publish as fabric_io  # noqa: E402
 
 GOAL = 1.10
 

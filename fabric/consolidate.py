@@ -18,9 +18,8 @@ PROG = "fabric consolidate"
 
 def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool | None = None) -> dict:
     """Read the sharded checkpoint ``checkpoint_dir`` whole and write it to the file ``out``; return it."""
-    from fabric.plugins.io.atomic_folder import is_sharded_checkpoint
-    from fabric.plugins.io.sharded import load_sharded
-    from fabric.plugins.io.single_file import atomic_save
+    from fabric.checkpoint.sharded_folder import load_sharded
+    from fabric.plugins.io.publish import atomic_save, is_sharded_checkpoint
 
     if not is_sharded_checkpoint(checkpoint_dir):
         what = "does not exist" if not Path(checkpoint_dir).exists() else "is not a sharded checkpoint folder"

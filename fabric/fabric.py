@@ -22,7 +22,6 @@ from torch.optim import Optimizer
 from fabric._core.env import RUN_BY_CLI_ENV
 from fabric.accelerators import Accelerator
 from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_argument
-from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.state import check_filter
 from fabric.connector import Connector
 from fabric.launching import check_launch_request, do_nothing
@@ -443,8 +442,7 @@ class Fabric:
             raise TypeError(f"save(state=...) takes a dict, got {type(state).__name__}")
         if filter is not None:
             check_filter(filter, state)
-        # per-rank states (a loader's random states) are gathered here: only rank 0 writes the file
-        unwrapped = gather_per_rank_states(unwrap_state(state), self.all_gather, self.world_size)
+        unwrapped = unwrap_state(state)
         # collective: returns on every rank once the file is written, or raises rank 0's error on every rank
         # (with async_save: once the state is copied off; the write's outcome comes with the next save)
         if async_save:

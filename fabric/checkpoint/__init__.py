@@ -12,13 +12,15 @@ How the bytes reach the disk is the CheckpointIO's business (``fabric.plugins.io
 
 from __future__ import annotations
 
+from fabric.checkpoint.fit import CheckpointMismatchError, check_optimizer_state_fits, check_state_dict_fits
 from fabric.checkpoint.per_rank import PER_RANK_KEY, gather_per_rank_states, state_of_rank
 from fabric.checkpoint.random_state import capture_random_state, restore_random_state
-from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits, collect_states, restore_states
+from fabric.checkpoint.state import collect_states, restore_states
 from fabric.checkpoint.stateful import CheckedStateful, PerRankStateful, Stateful, checks_state, has_per_rank_state, is_stateful
 
 __all__ = [
     "PER_RANK_KEY",
+    "CheckpointMismatchError",
     "CheckedStateful",
     "PerRankStateful",
     "Stateful",

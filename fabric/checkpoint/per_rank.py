@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from fabric.checkpoint.stateful import has_per_rank_state
+from fabric.utilities.exceptions import CheckpointMismatchError
 
 __all__ = ["PER_RANK_KEY", "gather_per_rank_states", "is_per_rank_record", "state_of_rank"]
 
@@ -49,7 +50,7 @@ def state_of_rank(value: Any, rank: int, world_size: int, what: str) -> Any:
         return value
     states = value[PER_RANK_KEY]
     if len(states) != world_size:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"The saved state of the {what} comes from a run with {len(states)} process(es), this run has"
             f" {world_size}: an exact resume needs the same number of processes. Leave the {what} out of"
             " the state you load to resume without its position and random states."

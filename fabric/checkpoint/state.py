@@ -9,24 +9,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.stateful import checks_state, is_stateful
-from fabric.utilities.exceptions import CheckpointMismatchError
-
-if TYPE_CHECKING:
-    from fabric.strategies.strategy import Strategy
+from fabric.checkpoint.fit import check_entries_present, check_entry
+from fabric.checkpoint.stateful import is_stateful
 
 __all__ = [
-    "check_entries_present",
+    "StateDictHooks",
+    "StateDictSource",
     "check_filter",
-    "check_optimizer_state_fits",
-    "check_state_dict_fits",
-    "check_stateful_entry",
     "collect_states",
     "filtered",
     "restore_states",
@@ -35,17 +29,39 @@ __all__ = [
 StateFilter = dict[str, Callable[[str, Any], bool]]
 
 
-def collect_states(strategy: Strategy, state: dict[str, Any], filter: StateFilter | None = None) -> dict[str, Any]:
-    """``state`` with every module, optimizer and Stateful object replaced by its state dict.
+class StateDictSource(Protocol):
+    """What a module or an optimizer becomes in a checkpoint: the strategy's answer (DDP drops its wrapper's
+    prefix), or torch's distributed state-dict API for sharded formats (``layout.DistributedStateDicts``)."""
+
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]: ...
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
+
+
+class StateDictHooks(StateDictSource, Protocol):
+    """A :class:`StateDictSource` that also loads state dicts back (a sharded strategy hands full tensors to
+    sharded parameters)."""
+
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None: ...
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None: ...
+
+
+def collect_states(
+    source: StateDictSource, state: dict[str, Any], filter: StateFilter | None = None, keys: list[str] | None = None
+) -> dict[str, Any]:
+    """``state`` (all entries, or ``keys``) with every module, optimizer and Stateful object replaced by its
+    state dict: the one walk of every save, in every format.
 
     ``filter`` maps a key to a ``(name, value) -> bool`` predicate choosing the entries of that state dict to keep.
     """
     converted: dict[str, Any] = {}
-    for key, obj in state.items():
+    for key in state if keys is None else keys:
+        obj = state[key]
         if isinstance(obj, Module):
-            value = strategy.get_module_state_dict(obj)
+            value = source.get_module_state_dict(obj)
         elif isinstance(obj, Optimizer):
-            value = strategy.get_optimizer_state(obj)
+            value = source.get_optimizer_state(obj)
         elif is_stateful(obj):
             value = obj.state_dict()
         else:
@@ -64,26 +80,6 @@ def filtered(key: str, value: Any, filter: StateFilter | None) -> Any:
     return {name: item for name, item in value.items() if keep(name, item)}
 
 
-def check_entries_present(path: str | os.PathLike, state: dict[str, Any], saved: Any, strict: bool) -> None:
-    """KeyError if ``strict`` and some key of ``state`` has no entry among ``saved``'s keys."""
-    missing = [key for key in state if key not in saved]
-    if missing and strict:
-        raise KeyError(
-            f"Checkpoint {str(path)!r} has no entry for {missing} (it holds {sorted(saved)});"
-            " pass strict=False to load the entries it has"
-        )
-
-
-def check_stateful_entry(key: str, obj: Any, saved: Any) -> None:
-    """Ask a ``CheckedStateful`` entry whether ``saved`` fits it (ValueError naming ``state[key]`` if not)."""
-    if not checks_state(obj):
-        return
-    try:
-        obj.check_state_dict(saved)
-    except ValueError as err:
-        raise ValueError(f"state[{key!r}]: {err}") from None
-
-
 def check_filter(filter: Any, state: dict[str, Any]) -> None:
     """Raise unless ``filter`` maps keys of ``state`` to ``(name, value) -> bool`` predicates."""
     if not isinstance(filter, dict):
@@ -96,7 +92,7 @@ def check_filter(filter: Any, state: dict[str, Any]) -> None:
 
 
 def restore_states(
-    strategy: Strategy, state: dict[str, Any], checkpoint: Any, path: str | os.PathLike, strict: bool = True
+    strategy: StateDictHooks, state: dict[str, Any], checkpoint: Any, path: str | os.PathLike, strict: bool = True
 ) -> dict[str, Any]:
     """Load ``checkpoint``'s entries (read from ``path``) into the objects of ``state``; return the rest.
 
@@ -108,7 +104,7 @@ def restore_states(
     check_entries_present(path, state, checkpoint, strict)
     present = {key: obj for key, obj in state.items() if key in checkpoint}
     for key, obj in present.items():
-        _check_entry(key, obj, checkpoint[key], strict)
+        check_entry(key, obj, checkpoint[key], strict)
     remainder = dict(checkpoint)
     for key, obj in present.items():
         value = remainder.pop(key)
@@ -121,57 +117,3 @@ def restore_states(
         else:
             state[key] = value
     return remainder
-
-
-def _check_entry(key: str, obj: Any, saved: Any, strict: bool) -> None:
-    """Raise (naming ``state[key]``) if ``saved`` cannot be loaded into ``obj``."""
-    if not isinstance(obj, (Module, Optimizer)):
-        check_stateful_entry(key, obj, saved)
-        return
-    try:
-        if isinstance(obj, Module):
-            check_state_dict_fits(obj, saved, strict=strict)
-        else:
-            check_optimizer_state_fits(obj, saved)
-    except (KeyError, RuntimeError, ValueError, TypeError) as err:
-        message = err.args[0] if err.args else str(err)
-        raise type(err)(f"state[{key!r}]: {message}") from None
-
-
-def check_state_dict_fits(module: Module, state_dict: Any, strict: bool = True) -> None:
-    """Raise before loading if ``state_dict`` would not load into ``module`` whole.
-
-    ``Module.load_state_dict`` copies the matching tensors before it reports a shape mismatch, leaving
-    the module half-loaded; checking first keeps it intact.
-    """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"Expected a state dict (a dict of tensors) for {type(module).__name__}, got {type(state_dict).__name__}")
-    expected = module.state_dict()
-    if strict:
-        missing = [k for k in expected if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
-        if missing or unexpected:
-            raise CheckpointMismatchError(
-                f"The checkpoint does not fit {type(module).__name__}: missing keys {missing},"
-                f" unexpected keys {unexpected}. Pass strict=False to load the keys that match."
-            )
-    for key, value in state_dict.items():
-        target = expected.get(key)
-        if isinstance(target, Tensor) and isinstance(value, Tensor) and target.shape != value.shape:
-            raise RuntimeError(
-                f"The checkpoint does not fit {type(module).__name__}: first mismatching key {key!r} has shape"
-                f" {tuple(value.shape)} in the checkpoint but {tuple(target.shape)} in the model"
-            )
-
-
-def check_optimizer_state_fits(optimizer: Optimizer, state_dict: Any) -> None:
-    """Raise ValueError if ``state_dict`` is not an optimizer state with the same parameter group sizes."""
-    if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
-        raise ValueError(f"Expected an optimizer state dict for {type(optimizer).__name__}, got {type(state_dict).__name__}")
-    saved = [len(group["params"]) for group in state_dict["param_groups"]]
-    current = [len(group["params"]) for group in optimizer.param_groups]
-    if saved != current:
-        raise ValueError(
-            f"The optimizer state does not fit {type(optimizer).__name__}: parameter group sizes {saved} in the"
-            f" checkpoint, {current} in the optimizer"
-        )

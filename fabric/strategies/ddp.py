@@ -157,7 +157,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Leave the process group (so a later job in this process can join a new one)."""
-        from fabric.plugins.io.async_save import wait_for_pending_save
+        from fabric.checkpoint.async_save import wait_for_pending_save
 
         wait_for_pending_save()  # a background save still talks over the process group
         if dist.is_available():

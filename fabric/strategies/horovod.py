@@ -41,7 +41,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from fabric.checkpoint.state import check_optimizer_state_fits
+from fabric.checkpoint.fit import check_optimizer_state_fits
 from fabric.strategies.horovod_environment import HorovodEnvironment
 from fabric.strategies.horovod_optimizer import (
     broadcast_optimizer_state,

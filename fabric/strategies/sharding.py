@@ -12,10 +12,9 @@ from __future__ import annotations
 import warnings
 import weakref
 from abc import abstractmethod
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +25,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from fabric.checkpoint.state import check_optimizer_state_fits, check_state_dict_fits
+from fabric.checkpoint.fit import check_optimizer_state_fits, check_state_dict_fits
+from fabric.checkpoint.pipeline import CheckpointFormat
 from fabric.strategies.ddp import ProcessGroupStrategy
 from fabric.strategies.strategy import BackwardSyncControl, _entered_together
 from fabric.utilities.group_lifetime import track_device_mesh
@@ -154,38 +154,11 @@ class ShardedStrategy(ProcessGroupStrategy):
 
     # ---- checkpoints (their folder and file formats live in fabric.plugins.io) -----------------------
 
+    @property
     @override
-    def save_checkpoint(
-        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None, async_save: bool = False,
-    ) -> None:  # fmt: skip
-        """A folder in which every rank writes its shards, or with full checkpoints one file from rank 0.
-
-        ``async_save``: see ``Fabric.save``; sharded checkpoints only (a full one is gathered to rank 0 first).
-        """
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint got storage_options={storage_options!r}; it accepts none")
-        if self._full_checkpoints:
-            from fabric.plugins.io.full_state import save_full
-
-            if async_save:
-                raise ValueError("save(..., async_save=True) needs state_dict_type='sharded'; got state_dict_type='full'")
-            save_full(path, state, filter=filter)
-        else:
-            from fabric.plugins.io.sharded import save_sharded
-
-            save_sharded(path, state, filter=filter, async_save=async_save)
-
-    @override
-    def load_checkpoint(
-        self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """Load a folder of shards (from any number of ranks) or a full file into the sharded objects."""
-        if isinstance(state, (Module, Optimizer)):  # a bare state dict (Fabric.load_raw)
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        from fabric.plugins.io.sharded import load_sharded
-
-        return load_sharded(path, state, strict=strict, weights_only=weights_only)
+    def checkpoint_format(self) -> CheckpointFormat:
+        """A folder in which every rank writes its shards, or with full checkpoints one file from rank 0."""
+        return "full" if self._full_checkpoints else "sharded"
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -200,7 +173,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         """A plain ``optimizer.state_dict()`` (numbered, full tensors) into the optimizer of sharded parameters."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-        from fabric.plugins.io.state_layout import optimizer_named
+        from fabric.checkpoint.layout import optimizer_named
 
         check_optimizer_state_fits(optimizer, state_dict)
         module = self._module_of(optimizer)

@@ -9,7 +9,6 @@ subclasses add the parallel parts.
 
 from __future__ import annotations
 
-import pickle
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Generator
@@ -23,9 +22,11 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.state import StateFilter, check_optimizer_state_fits, check_state_dict_fits, collect_states, restore_states
+from fabric.checkpoint import pipeline
+from fabric.checkpoint.fit import check_optimizer_state_fits, check_state_dict_fits
+from fabric.checkpoint.pipeline import CheckpointFormat
+from fabric.checkpoint.state import StateFilter
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
-from fabric.plugins.io.atomic_folder import is_sharded_checkpoint
 from fabric.plugins.precision import Precision
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.init import EmptyInit
@@ -177,6 +178,8 @@ class Strategy(ABC):
             self._precision = choices.precision
         if choices.checkpoint_io is not None:
             self._checkpoint_io = choices.checkpoint_io
+        # a CheckpointIO plugin the checkpoint format cannot honour is refused here, not ignored at the first save
+        pipeline.check_checkpoint_io(self.checkpoint_format, self._checkpoint_io, type(self).__name__)
 
     def configure_launcher(self) -> None:
         """Create ``self._launcher`` if this strategy starts processes of its own (the connector calls it once
@@ -193,7 +196,7 @@ class Strategy(ABC):
         self.accelerator.setup_device(self.root_device)
 
     def teardown(self) -> None:
-        from fabric.plugins.io.async_save import wait_for_pending_save
+        from fabric.checkpoint.async_save import wait_for_pending_save
 
         wait_for_pending_save()  # a background save finishes (or reports its error) before the job ends
         self.precision.teardown()
@@ -321,6 +324,12 @@ class Strategy(ABC):
         check_optimizer_state_fits(optimizer, state_dict)
         optimizer.load_state_dict(state_dict)
 
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        """How this strategy's checkpoints are written: "file" (one file from rank 0 through the CheckpointIO
+        plugin); sharded strategies write "sharded" folders or gathered "full" files (``fabric.checkpoint.pipeline``)."""
+        return "file"
+
     def save_checkpoint(
         self,
         path: str | Path,
@@ -329,30 +338,13 @@ class Strategy(ABC):
         filter: StateFilter | None = None,
         async_save: bool = False,
     ) -> None:
-        """Turn modules/optimizers/stateful objects into state dicts and write the file from rank 0.
+        """Write ``state`` (modules, optimizers, stateful objects, plain values) to ``path`` in this strategy's format.
 
-        Collective: call it on every rank. When rank 0 fails to write, every rank raises the same error
-        (the outcome is broadcast), so no rank waits for a file that will not come. With ``async_save``
-        rank 0 copies the tensors to CPU memory and writes in the background; a failure there is raised
-        by the next save or load (on every rank, through the same broadcast), teardown or exit.
+        Collective: call it on every rank. When rank 0 fails to write, every rank raises the same error,
+        so no rank waits for a file that will not come. With ``async_save`` the tensors are copied off and
+        written in the background; a failure there is raised by the next save or load, teardown or exit.
         """
-        from fabric.plugins.io.async_save import save_in_background, wait_for_pending_save
-
-        checkpoint = collect_states(self, state, filter)
-        error: BaseException | None = None
-        if self.is_global_zero:
-            try:
-                wait_for_pending_save()
-                if async_save:
-                    save_in_background(self.checkpoint_io, checkpoint, path, storage_options)
-                else:
-                    self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            except Exception as err:
-                error = err
-        outcome = self.broadcast(_SaveOutcome.of(error), src=0)
-        if error is not None:
-            raise error
-        outcome.raise_if_failed()
+        pipeline.save(self, path, state, filter=filter, async_save=async_save, storage_options=storage_options)
 
     def load_checkpoint(
         self,
@@ -361,62 +353,9 @@ class Strategy(ABC):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Restore ``state`` in place from ``path`` and return what the file held beyond it.
-
-        Everything is checked before anything is changed, so a mismatch leaves every object as it was.
-        """
-        from fabric.plugins.io.async_save import wait_for_pending_save
-
-        wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
-        if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
-            from fabric.plugins.io.sharded import load_sharded
-
-            return load_sharded(path, state, strict=strict, weights_only=weights_only)  # type: ignore[arg-type]
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        return self._restore_from_checkpoint(path, checkpoint, state, strict)
-
-    def _restore_from_checkpoint(
-        self, path: str | Path, checkpoint: Any, state: Module | Optimizer | dict[str, Any] | None, strict: bool
-    ) -> dict[str, Any]:
-        """The part of :meth:`load_checkpoint` after reading: check every entry, then load them into ``state``."""
-        if state is None:
-            return checkpoint
-        if isinstance(state, Module):
-            self.load_module_state_dict(state, checkpoint, strict=strict)
-            return {}
-        if isinstance(state, Optimizer):
-            self.load_optimizer_state_dict(state, checkpoint)
-            return {}
-        return restore_states(self, state, checkpoint, path, strict=strict)
-
-
-@dataclass(frozen=True)
-class _SaveOutcome:
-    """Rank 0's result of writing a checkpoint, as every rank learns it (picklable, no traceback)."""
-
-    error_type: type[BaseException] | None = None
-    message: str = ""
-
-    @classmethod
-    def of(cls, error: BaseException | None) -> _SaveOutcome:
-        if error is None:
-            return cls()
-        error_type: type[BaseException] = type(error)
-        try:
-            pickle.dumps(error_type)
-        except Exception:  # a class the other ranks could not unpickle (defined in a function)
-            error_type = RuntimeError
-        return cls(error_type, f"{type(error).__name__}: {error}" if error_type is not type(error) else str(error))
-
-    def raise_if_failed(self) -> None:
-        if self.error_type is None:
-            return
-        text = f"Rank 0 failed to save the checkpoint: {self.message}"
-        try:
-            error = self.error_type(text)
-        except Exception:  # an exception class that takes other arguments: keep the message
-            error = RuntimeError(f"{self.error_type.__name__}: {text}")
-        raise error
+        """Restore ``state`` in place from ``path`` (a file, or a folder of shards from any number of ranks) and
+        return what the checkpoint held beyond it. Everything is checked before anything is changed."""
+        return pipeline.load(self, path, state, strict=strict, weights_only=weights_only)
 
 
 class _EmptyWeakSet:

@@ -7,11 +7,13 @@ class MisconfigurationException(Exception):
     """A setting (or a combination of settings) that cannot work; raised where the setting is read."""
 
 
-class CheckpointMismatchError(KeyError, RuntimeError):
-    """A checkpoint's keys do not fit the module they are loaded into (strict loading).
+class CheckpointMismatchError(KeyError, ValueError, TypeError, RuntimeError):
+    """A checkpoint entry does not fit the object it is loaded into (keys, shapes, kinds, optimizer groups,
+    the number of processes of a per-rank state). Raised before anything is changed.
 
-    Lightning Fabric raises a RuntimeError here (as ``Module.load_state_dict`` does); earlier versions of
-    this package raised a KeyError. Deriving from both keeps ``except`` clauses written for either working.
+    One class for every misfit, in every format. Lightning Fabric and ``Module.load_state_dict`` raise a
+    RuntimeError, earlier versions of this package a KeyError, ValueError or TypeError depending on the
+    check; deriving from all four keeps ``except`` clauses written for any of them working.
     """
 
     def __str__(self) -> str:

@@ -11,14 +11,26 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
-if TYPE_CHECKING:
-    from fabric.fabric import Fabric
+
+class FabricLike(Protocol):
+    """What ``ThroughputMonitor`` uses of a ``fabric.Fabric`` (named here so that utilities import no facade)."""
+
+    @property
+    def strategy(self) -> Any: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def log_dict(self, metrics: Any, step: int | None = None) -> None: ...
 
 __all__ = ["Throughput", "ThroughputMonitor", "get_available_flops", "measure_flops"]
 
@@ -130,7 +142,7 @@ class ThroughputMonitor(Throughput):
     logs at ``step`` or, without one, at one more than the last step it logged.
     """
 
-    def __init__(self, fabric: Fabric, **kwargs: Any) -> None:
+    def __init__(self, fabric: FabricLike, **kwargs: Any) -> None:
         dtype = compute_dtype(fabric.strategy.precision)
         super().__init__(available_flops=get_available_flops(fabric.device, dtype), world_size=fabric.world_size, **kwargs)
         self._fabric = fabric

@@ -16,7 +16,8 @@ from fabric.plugins.io import TorchCheckpointIO
 from fabric.plugins.precision import DoublePrecision, Precision
 from fabric.strategies import DataParallelStrategy, DDPStrategy, ParallelStrategy, SingleDeviceStrategy, Strategy
 from fabric.strategies import ddp, fsdp, horovod, horovod_environment, model_parallel, sharding, single_device
-from fabric.strategies.strategy import ConnectorChoices, _SaveOutcome
+from fabric.checkpoint.agreement import Outcome, on_rank_zero
+from fabric.strategies.strategy import ConnectorChoices
 
 CPU = torch.device("cpu")
 # classes whose overrides must be marked (typing_extensions.override); Horovod's import needs no Horovod
@@ -164,10 +165,27 @@ def test_save_outcome_of_an_unpicklable_error_class_is_a_runtime_error():
         pass
 
     with pytest.raises(RuntimeError, match="LocalError: disk on fire"):
-        _SaveOutcome.of(LocalError("disk on fire")).raise_if_failed()
+        Outcome.of_error(LocalError("disk on fire")).result()
     with pytest.raises(OSError, match="Rank 0 failed to save the checkpoint: full"):
-        _SaveOutcome.of(OSError("full")).raise_if_failed()
-    _SaveOutcome.of(None).raise_if_failed()  # success: nothing raised
+        Outcome.of_error(OSError("full")).result()
+    assert Outcome(7).result() == 7  # success: the value
+
+
+def test_on_rank_zero_runs_the_step_once_and_every_rank_learns_its_outcome():
+    ran: list[int] = []
+    sent: list[Outcome] = []
+
+    def broadcast(outcome: Outcome) -> Outcome:
+        sent.append(outcome)
+        return sent[0]  # every rank receives what rank 0 sent
+
+    assert on_rank_zero(lambda: ran.append(0) or "token", rank=0, broadcast=broadcast) == "token"
+    assert on_rank_zero(lambda: ran.append(1), rank=1, broadcast=broadcast) == "token" and ran == [0]
+    sent.clear()
+    with pytest.raises(OSError, match="^full$"):  # rank 0 raises its own error
+        on_rank_zero(lambda: (_ for _ in ()).throw(OSError("full")), rank=0, broadcast=broadcast)
+    with pytest.raises(OSError, match="Rank 0 failed to save the checkpoint: full"):
+        on_rank_zero(lambda: None, rank=1, broadcast=broadcast)
 
 
 def test_one_process_collectives_are_shared():

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from fabric.plugins.io.atomic_folder import INDEX_FILE as METADATA_FILE
+from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)

@@ -1,18 +1,12 @@
-"""Checkpoint files: atomic writes and safe reads.
+"""Checkpoint files: the CheckpointIO plugin, written atomically (``publish``) and read safely.
 
-A checkpoint on disk is always either the previous file or the new one, whole: we write a temporary
-file in the same folder, fsync it, and rename it over the target (rename is atomic on POSIX and
-Windows). Reading uses ``weights_only=True`` unless the caller opts out, so a file carrying a pickle
-payload cannot run code.
+Reading uses ``weights_only=True`` unless the caller opts out, so a file carrying a pickle payload cannot
+run code.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import secrets
-import stat
-import sys
 import zipfile
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -20,9 +14,7 @@ from typing import Any
 
 import torch
 
-from fabric._core.processes import process_alive
-
-_TEMP_PREFIX = ".fabric-tmp-"
+from fabric.plugins.io.publish import atomic_save
 
 
 class CheckpointIO(ABC):
@@ -76,203 +68,6 @@ class TorchCheckpointIO(CheckpointIO):
             path.unlink()
 
 
-def atomic_save(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj, path)`` that never leaves a torn file at ``path``, and is durable when it returns.
-
-    Parent folders are created. A crash at any moment leaves the old file (or none) at ``path``; the
-    temporary file it may leave behind starts with ``.fabric-tmp-`` and is removed by the next save.
-
-    Durability costs a flush of the whole file to disk. Most of it is hidden: while ``torch.save``
-    serializes, every finished stretch of the file is handed to the kernel for writeback at once
-    (``sync_file_range``), so the disk works in parallel with the serialization and the final
-    ``fdatasync`` only waits for the last few megabytes.
-    """
-    path = Path(path)
-    _check_target(path)
-    folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_files(folder, path.name)
-    fd, temp_name = _create_temp_file(folder, path.name)
-    try:
-        with os.fdopen(fd, "wb", buffering=_WRITE_BUFFER) as file:
-            writer = _EarlyWriteback(file)
-            torch.save(obj, writer)  # type: ignore[arg-type]
-            writer.finish()
-        _keep_mode_of(path, temp_name)
-        os.replace(temp_name, path)
-    except BaseException as err:
-        try:
-            os.unlink(temp_name)
-        except FileNotFoundError:
-            pass
-        write_error = _write_error(err)
-        if write_error is not None:
-            # the user knows the target, not our hidden temporary file: name the target
-            raise OSError(write_error.errno, f"Could not save the checkpoint {str(path)!r}: {write_error.strerror}"
-                          " (the previous file, if any, is unchanged)") from err
-        raise
-    _fsync_folder(folder)
-
-
-def _check_target(path: Path) -> None:
-    """Only a regular file (or nothing) may be replaced: never a folder, a device, a FIFO or a socket."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    except OSError:
-        return  # e.g. a component is not a folder: mkdir / open report it naming the path
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(f"Cannot save a checkpoint to {str(path)!r}: it is a folder")
-    if not stat.S_ISREG(mode):
-        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
-        raise ValueError(
-            f"Cannot save a checkpoint to {str(path)!r}: it is {kind}; accepted: a regular file or a path that does"
-            " not exist yet"
-        )
-
-
-_FILE_KINDS = {
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFIFO: "a FIFO (named pipe)",
-    stat.S_IFSOCK: "a socket",
-}
-
-
-def _write_error(err: BaseException) -> OSError | None:
-    """The operating system's write error (disk full, file too large, I/O error) behind ``err``, if any.
-
-    ``torch.save`` reports a failed write of its zip writer as a RuntimeError whose cause is lost; the
-    OSError raised by our file object is then its ``__context__``.
-    """
-    seen = 0
-    while err is not None and seen < 8:
-        if isinstance(err, OSError) and err.errno is not None and err.strerror:
-            return err
-        err = err.__cause__ or err.__context__  # type: ignore[assignment]
-        seen += 1
-    return None
-
-
-# Small writes (zip headers) are gathered; big ones (tensor data) go straight to the kernel.
-_WRITE_BUFFER = 1 << 20
-# Hand the kernel each stretch of this many bytes for writeback as soon as it is written.
-_WRITEBACK_CHUNK = 16 << 20
-
-
-class _EarlyWriteback:
-    """The file object ``torch.save`` writes to: starts the disk writes while serialization goes on.
-
-    Without it, ``torch.save`` fills the page cache and the final sync writes everything at once,
-    after serialization: the two costs add up. Started early, they overlap.
-    """
-
-    def __init__(self, file: Any) -> None:
-        self._file = file
-        self._fd = file.fileno()
-        self._written = 0  # bytes handed to ``write``
-        self._started = 0  # bytes whose writeback was started
-        self._sync_range = _sync_file_range()
-
-    def write(self, data: Any) -> int:
-        count = self._file.write(data)
-        self._written += count
-        if self._sync_range is not None and self._written - self._started >= _WRITEBACK_CHUNK:
-            self._file.flush()  # the kernel can only write back what it has
-            self._sync_range(self._fd, self._started, self._written - self._started)
-            self._started = self._written
-        return count
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def finish(self) -> None:
-        """Everything on disk (data, and the size needed to read it back)."""
-        self._file.flush()
-        if hasattr(os, "fdatasync"):
-            os.fdatasync(self._fd)
-        else:
-            os.fsync(self._fd)
-
-
-_SYNC_FILE_RANGE: Any = None
-
-
-def _sync_file_range() -> Any:
-    """``sync_file_range(fd, offset, nbytes)`` that starts writeback without waiting, or None.
-
-    Linux only (through ctypes: Python does not expose it); elsewhere the final sync does it all.
-    """
-    global _SYNC_FILE_RANGE
-    if _SYNC_FILE_RANGE is None:
-        _SYNC_FILE_RANGE = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                libc = ctypes.CDLL(None, use_errno=True)
-                function = libc.sync_file_range
-                function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                function.restype = ctypes.c_int
-                write = 2  # SYNC_FILE_RANGE_WRITE: start writing the dirty pages, do not wait
-
-                def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-                    function(fd, offset, nbytes, write)  # a failure only means less overlap
-
-                _SYNC_FILE_RANGE = start_writeback
-            except (OSError, AttributeError):
-                pass
-    return _SYNC_FILE_RANGE or None
-
-
-def _create_temp_file(folder: Path, name: str) -> tuple[int, str]:
-    """A new file next to the target, named after it and this process (so stale ones can be told).
-
-    Created with mode 0o666 so the umask applies, as for ``torch.save`` (``mkstemp`` would make it 0o600).
-    """
-    for _ in range(100):
-        temp_name = str(folder / f"{_TEMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}")
-        try:
-            return os.open(temp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), temp_name
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"Could not create a temporary file next to {str(folder / name)!r}")
-
-
-def _keep_mode_of(path: Path, temp_name: str) -> None:
-    """An existing checkpoint's permissions carry over to its replacement, as an overwrite would keep them."""
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        return
-    try:
-        os.chmod(temp_name, mode)
-    except OSError:
-        pass
-
-
-def _remove_stale_temp_files(folder: Path, name: str) -> None:
-    """Delete temp files a crashed save of ``name`` left behind; a live process's file is left alone."""
-    for stale in folder.glob(f"{_TEMP_PREFIX}{name}.*"):
-        writer = stale.name[len(_TEMP_PREFIX) + len(name) + 1 :].split(".", 1)[0]
-        if not writer.isdigit() or process_alive(int(writer)):
-            continue  # another file's temp (e.g. of "name.bak"), or a save still in progress
-        try:
-            stale.unlink()
-        except OSError:
-            pass
-
-
-def _fsync_folder(folder: Path) -> None:
-    # the rename itself is only durable once the folder entry is on disk
-    if os.name != "posix":
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | None = None) -> Any:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from fabric.plugins.io.sharded import load_sharded
+from fabric.checkpoint.sharded_folder import load_sharded
 from support.environment import clean_env, free_port, job_environment
 from support.loading import script_path
 

@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fabric.plugins.io.full_state import save_full
-from fabric.plugins.io.sharded import load_sharded, save_sharded
-from fabric.plugins.io.state_layout import optimizer_numbered
+from fabric.checkpoint.full_file import save_full
+from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+from fabric.checkpoint.layout import optimizer_numbered
 from fabric.utilities.group_lifetime import (
     bind_default_arguments_before_the_group_exists,
     leave_process_group_at_exit,

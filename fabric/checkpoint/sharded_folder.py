@@ -3,7 +3,7 @@
 The folder holds ``torch.distributed.checkpoint`` data files and index (tensors only) plus
 ``fabric-objects.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
 entries that are neither modules nor optimizers, and where each tensor belongs (see
-``state_layout``). It is written into a temporary folder and published whole (``atomic_folder``).
+``layout``). It is written into a temporary folder and published whole (``fabric.plugins.io.publish``).
 Loading reshards to whatever layout the target objects have: 2 -> 4 processes, sharded -> a plain
 module in one process, and back.
 """
@@ -13,23 +13,28 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fabric.plugins.io import atomic_folder, state_layout
-from fabric.plugins.io.async_save import (
+from fabric.checkpoint import fit, layout
+from fabric.checkpoint.agreement import broadcast_in_group, on_rank_zero, rank_in_group
+from fabric.checkpoint.async_save import (
     SaveHandle,
     background_group,
     finished,
     start_background_save,
     wait_for_pending_save,
 )
+from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
+from fabric.checkpoint.state import collect_states
+from fabric.plugins.io import publish
+from fabric.plugins.io.publish import atomic_save
 from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
-from fabric.plugins.io.single_file import CheckpointLoadError, atomic_save, safe_load
-from fabric.plugins.io.state_layout import MODULE, OPTIMIZER, OTHER
+from fabric.plugins.io.single_file import CheckpointLoadError, safe_load
 
 OBJECTS_FILE = "fabric-objects.pt"
 FORMAT = "fabric-sharded-checkpoint"
@@ -54,13 +59,13 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
-    entries = state_layout.state_dicts(state, StateDictOptions(), filter)
-    kinds = {key: state_layout.kind_of(obj) for key, obj in state.items()}
-    skeleton, tensors, paths = state_layout.split_tensors(entries, kinds)
+    entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, filter)
+    kinds = {key: layout.kind_of(obj) for key, obj in state.items()}
+    skeleton, tensors, paths = layout.split_tensors(entries, kinds)
     objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
     token = _agree_on_token(path, group=None)
     if async_save:
-        staged = {flat: state_layout.plain_copy(tensor) for flat, tensor in tensors.items()}
+        staged = {flat: layout.plain_copy(tensor) for flat, tensor in tensors.items()}
         group = background_group()
         return start_background_save(lambda: _write(path, token, staged, objects, group), repr(str(path)))
     _write(path, token, tensors, objects, group=None)
@@ -69,17 +74,16 @@ def save_sharded(
 
 def _agree_on_token(path: str | Path, group: Any) -> str:
     """Rank 0 cleans up after crashed saves and names the temporary folder; every rank gets the name."""
-    token, error = None, None
-    if _rank(group) == 0:
+
+    def prepare() -> str:
+        token = publish.new_token()
         try:
-            token = atomic_folder.new_token()
-            atomic_folder.prepare_target(path, token, keep=_files_written(group))
+            publish.prepare_target(path, token, keep=_files_written(group))
         except OSError as err:
-            error = f"{type(err).__name__}: {err}"
-    token, error = _broadcast((token, error), group)
-    if error is not None:  # every rank raises, none is left waiting for the others
-        raise OSError(f"Cannot save the sharded checkpoint {str(path)!r}: {error}")
-    return token
+            raise OSError(f"Cannot save the sharded checkpoint {str(path)!r}: {type(err).__name__}: {err}") from err
+        return token
+
+    return on_rank_zero(prepare, rank=rank_in_group(group), broadcast=partial(broadcast_in_group, group=group))
 
 
 def _files_written(group: Any) -> frozenset[str]:
@@ -95,8 +99,9 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
     """Every rank writes its shards; rank 0 adds the objects file and publishes; all learn the outcome."""
     import torch.distributed.checkpoint as dcp
 
-    temp = atomic_folder.temp_folder_for(path, token)
-    error: str | None = None
+    temp = publish.temp_folder_for(path, token)
+    failed = f"Saving the sharded checkpoint {str(path)!r} failed; the previous one is kept."
+    shards_error: str | None = None
     try:
         with _quiet_single_process():
             dcp.save(
@@ -105,19 +110,25 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
                 process_group=group,
                 no_dist=not _distributed(),
             )
-    except Exception as err:  # torch gathers every rank's failure; each rank raises the same
-        error = f"writing the shards failed: {type(err).__name__}: {err}"
-    if _rank(group) == 0 and error is None:
+    except Exception as err:  # torch gathers every rank's failure; rank 0 reports it for all
+        shards_error = f"writing the shards failed: {type(err).__name__}: {err}"
+
+    def commit() -> None:
+        if shards_error is not None:
+            raise RuntimeError(f"{failed} {shards_error}")
         try:
             atomic_save(objects, temp / OBJECTS_FILE)
-            atomic_folder.commit_folder(temp, path, token)
+            publish.commit_folder(temp, path, token)
         except Exception as err:
-            error = f"{type(err).__name__}: {err}"
-    error = _broadcast(error, group)
-    if error is not None:
-        if _rank(group) == 0:
-            atomic_folder.remove_quietly(temp)
-        raise RuntimeError(f"Saving the sharded checkpoint {str(path)!r} failed; the previous one is kept. {error}")
+            raise RuntimeError(f"{failed} {type(err).__name__}: {err}") from err
+
+    rank = rank_in_group(group)
+    try:
+        on_rank_zero(commit, rank=rank, broadcast=partial(broadcast_in_group, group=group))
+    except Exception:
+        if rank == 0:
+            publish.remove_quietly(temp)
+        raise
 
 
 def load_sharded(
@@ -133,10 +144,10 @@ def load_sharded(
     """
     wait_for_pending_save()
     if Path(path).is_file():
-        from fabric.plugins.io.full_state import load_full
+        from fabric.checkpoint.full_file import load_full
 
         return load_full(path, state, strict=strict, weights_only=weights_only)
-    folder = atomic_folder.resolve_for_load(path)
+    folder = publish.resolve_for_load(path)
     objects = read_objects(folder, weights_only)
     index = read_index(folder)
     if state is None:
@@ -147,7 +158,7 @@ def load_sharded(
             f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
         )
     skeleton, kinds, paths = objects["skeleton"], objects["kinds"], objects["tensors"]
-    state_layout.check_entries_present(path, state, skeleton, strict)
+    fit.check_entries_present(path, state, skeleton, strict)
     present = {key: obj for key, obj in state.items() if key in skeleton}
     targets = _check_and_prepare(present, state, kinds, skeleton, paths, index, strict)
     destinations = {
@@ -156,8 +167,8 @@ def load_sharded(
     _read_tensors(folder, destinations)
     for key, obj in present.items():
         if key in targets:
-            _apply(obj, state, key, state_layout.fill(skeleton[key], destinations, paths, key), strict)
-        elif state_layout.is_stateful(obj):
+            _apply(obj, state, key, layout.fill(skeleton[key], destinations, paths, key), strict)
+        elif layout.is_stateful(obj):
             obj.load_state_dict(skeleton[key])
         else:
             state[key] = skeleton[key]
@@ -179,22 +190,22 @@ def _check_and_prepare(
 
     targets = {}
     for key, obj in present.items():
-        kind, saved_kind = state_layout.kind_of(obj), kinds.get(key, OTHER)
+        kind, saved_kind = layout.kind_of(obj), kinds.get(key, OTHER)
         if kind != saved_kind:
-            raise TypeError(f"state[{key!r}] is a {kind} here but the checkpoint holds a {saved_kind} under that key")
+            fit.check_kind(key, kind, saved_kind)
         if kind == OTHER:
-            state_layout.check_stateful_entry(key, obj, skeleton[key])
+            fit.check_stateful_entry(key, obj, skeleton[key])
             continue
-        current = state_layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
+        current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
         own = {flat: path for flat, path in paths.items() if path[0] == key}
         if kind == MODULE:
             saved_shapes: dict[str, Any] = {name: None for name in skeleton[key]}
             for flat, path in own.items():
                 saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
-            state_layout.check_module_fits(key, current, saved_shapes, strict)
+            fit.check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)
         else:
-            state_layout.check_optimizer_fits(key, skeleton[key], current)
-        _, current_tensors, current_paths = state_layout.split_tensors({key: current}, {key: kind})
+            fit.check_optimizer_fits(key, skeleton[key], current)
+        _, current_tensors, current_paths = layout.split_tensors({key: current}, {key: kind})
         by_path = {path: flat for flat, path in current_paths.items()}
         into = {}
         for flat, path in own.items():
@@ -202,7 +213,7 @@ def _check_and_prepare(
                 target = current_tensors[by_path[path]]
                 saved = index.state_dict_metadata[flat]
                 if tuple(saved.size) != tuple(target.shape):
-                    raise RuntimeError(
+                    raise fit.CheckpointMismatchError(
                         f"state[{key!r}]: {'/'.join(map(str, path[1:]))!r} has shape {tuple(saved.size)} in the"
                         f" checkpoint but {tuple(target.shape)} here"
                     )
@@ -218,10 +229,10 @@ def _apply(obj: Any, state: dict[str, Any], key: str, value: Any, strict: bool) 
         set_optimizer_state_dict,
     )
 
-    if state_layout.kind_of(obj) == MODULE:
+    if layout.kind_of(obj) == MODULE:
         set_model_state_dict(obj, value, options=StateDictOptions(strict=strict))
     else:
-        set_optimizer_state_dict(state_layout.owner_of(obj, state, key), obj, value, options=StateDictOptions())
+        set_optimizer_state_dict(layout.owner_of(obj, state, key), obj, value, options=StateDictOptions())
 
 
 def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False) -> None:
@@ -266,12 +277,12 @@ def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str]
     _read_tensors(folder, destinations, full=True)
     result = {}
     for key in keys:
-        value = state_layout.fill(skeleton[key], destinations, wanted, key) if kinds[key] != OTHER else skeleton[key]
-        result[key] = state_layout.optimizer_numbered(value) if kinds[key] == OPTIMIZER else value
+        value = layout.fill(skeleton[key], destinations, wanted, key) if kinds[key] != OTHER else skeleton[key]
+        result[key] = layout.optimizer_numbered(value) if kinds[key] == OPTIMIZER else value
     return result
 
 
-# ---- the few collectives this needs (no-ops without a process group) --------------------------------
+# ---- torch.distributed.checkpoint without a process group ---------------------------------------------
 
 
 def _distributed() -> bool:
@@ -288,17 +299,3 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _rank(group: Any) -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank(group) if _distributed() else 0
-
-
-def _broadcast(obj: Any, group: Any) -> Any:
-    import torch.distributed as dist
-
-    if not _distributed() or dist.get_world_size(group) == 1:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, group=group, group_src=0)
-    return holder[0]

@@ -13,10 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fabric.plugins.io import atomic_folder, state_layout
-from fabric.plugins.io.async_save import wait_for_pending_save
-from fabric.plugins.io.single_file import atomic_save, safe_load
-from fabric.plugins.io.state_layout import MODULE, OPTIMIZER
+from fabric.checkpoint import fit, layout
+from fabric.checkpoint.agreement import broadcast_in_group, on_rank_zero, rank_in_group
+from fabric.checkpoint.async_save import wait_for_pending_save
+from fabric.checkpoint.layout import MODULE, OPTIMIZER
+from fabric.checkpoint.state import collect_states
+from fabric.plugins.io import CheckpointIO, publish
+from fabric.plugins.io.publish import atomic_save
+from fabric.plugins.io.single_file import safe_load
 
 
 def save_full(
@@ -24,42 +28,47 @@ def save_full(
     state: dict[str, Any],
     *,
     filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    checkpoint_io: CheckpointIO | None = None,
 ) -> None:
-    """Gather ``state`` and write it from rank 0 as one atomic, ``torch.load``-able file; a collective."""
+    """Gather ``state`` and write it from rank 0 as one atomic, ``torch.load``-able file; a collective.
+
+    The file is written through ``checkpoint_io`` (a user's CheckpointIO plugin); a sharded folder at
+    ``path`` is replaced by the file with the same renames that publish folders.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    from fabric.plugins.io.sharded import _broadcast, _rank
-
     wait_for_pending_save()
-    entries = state_layout.state_dicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True), filter)
-    error = None
-    if _rank(None) == 0:
+    entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True)), state, filter)
+
+    def write() -> None:  # rank 0 holds the full tensors (cpu_offload): it alone writes
         checkpoint = {
-            key: state_layout.optimizer_numbered(value) if state_layout.kind_of(state[key]) == OPTIMIZER else value
+            key: layout.optimizer_numbered(value) if layout.kind_of(state[key]) == OPTIMIZER else value
             for key, value in entries.items()
         }
         try:
-            _write_file(checkpoint, Path(path))
+            _write_file(checkpoint, Path(path), checkpoint_io)
         except Exception as err:
-            error = f"{type(err).__name__}: {err}"
-    error = _broadcast(error, None)
-    if error is not None:
-        raise RuntimeError(f"Saving the full checkpoint {str(path)!r} failed; the previous one is kept. {error}")
+            raise RuntimeError(f"Saving the full checkpoint {str(path)!r} failed; the previous one is kept. {type(err).__name__}: {err}") from err
+
+    on_rank_zero(write, rank=rank_in_group(), broadcast=broadcast_in_group)
 
 
-def _write_file(checkpoint: dict[str, Any], path: Path) -> None:
+def _write_file(checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO | None) -> None:
     if not path.is_dir():
-        atomic_save(checkpoint, path)
+        if checkpoint_io is None:
+            atomic_save(checkpoint, path)
+        else:
+            checkpoint_io.save_checkpoint(checkpoint, path)
         return
     # a sharded checkpoint folder is replaced by a file: the same publish-by-renames as for folders
-    atomic_folder.prepare_target(path)
-    token = atomic_folder.new_token()
-    temp = atomic_folder.temp_folder_for(path, token)
+    publish.prepare_target(path)
+    token = publish.new_token()
+    temp = publish.temp_folder_for(path, token)
     try:
         atomic_save(checkpoint, temp)
-        atomic_folder.commit_folder(temp, path, token)
+        publish.commit_folder(temp, path, token)
     except BaseException:
-        atomic_folder.remove_quietly(temp)
+        publish.remove_quietly(temp)
         raise
 
 
@@ -81,35 +90,35 @@ def load_full(
         return checkpoint
     if not isinstance(checkpoint, dict):
         raise TypeError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-    state_layout.check_entries_present(path, state, checkpoint, strict)
+    fit.check_entries_present(path, state, checkpoint, strict)
     present = [key for key in state if key in checkpoint]
     named: dict[str, Any] = {}
     for key in present:  # every check first: a misfit changes nothing
         obj, saved = state[key], checkpoint[key]
-        kind = state_layout.kind_of(obj)
+        kind = layout.kind_of(obj)
         if kind == MODULE:
-            current = state_layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
+            current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
             if not isinstance(saved, dict):
-                raise TypeError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
-            state_layout.check_module_fits(key, current, state_layout.tensor_shapes(saved), strict)
+                raise fit.CheckpointMismatchError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
+            fit.check_module_fits(f"the model in state[{key!r}]", current, fit.tensor_shapes(saved), strict)
         elif kind == OPTIMIZER:
-            current = state_layout.state_dicts(state, StateDictOptions(), keys=[key])[key]
-            named[key] = state_layout.optimizer_named(saved, current, key)
-            state_layout.check_optimizer_fits(key, named[key], current)
+            current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
+            named[key] = layout.optimizer_named(saved, current, key)
+            fit.check_optimizer_fits(key, named[key], current)
         else:
-            state_layout.check_stateful_entry(key, obj, saved)
+            fit.check_stateful_entry(key, obj, saved)
     for key in present:
         obj, saved = state[key], checkpoint.pop(key)
-        kind = state_layout.kind_of(obj)
+        kind = layout.kind_of(obj)
         if kind == MODULE:
             set_model_state_dict(obj, saved, options=StateDictOptions(full_state_dict=True, strict=strict))
         elif kind == OPTIMIZER:
-            owner = state_layout.owner_of(obj, state, key)
+            owner = layout.owner_of(obj, state, key)
             set_optimizer_state_dict(owner, obj, named[key], options=StateDictOptions(full_state_dict=True))
             for group, saved_group in zip(obj.param_groups, named[key]["param_groups"]):
                 # torch's full-state path turns tuples (AdamW's betas) into lists: keep them as saved
                 group.update({name: value for name, value in saved_group.items() if name != "params"})
-        elif state_layout.is_stateful(obj):
+        elif layout.is_stateful(obj):
             obj.load_state_dict(saved)
         else:
             state[key] = saved

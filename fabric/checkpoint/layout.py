@@ -11,19 +11,14 @@ nested state with tensors replaced by ``None``, plus each flat key's path into i
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-# the checkpoint-state protocol every layout follows (re-exported for the sharded and full layouts)
-from fabric.checkpoint.state import check_entries_present as check_entries_present
-from fabric.checkpoint.state import check_stateful_entry as check_stateful_entry
-from fabric.checkpoint.state import filtered
 from fabric.checkpoint.stateful import is_stateful as is_stateful
+from fabric.utilities.exceptions import CheckpointMismatchError
 
 MODULE = "module"
 OPTIMIZER = "optimizer"
@@ -53,27 +48,25 @@ def owner_of(optimizer: Optimizer, state: dict[str, Any], key: str) -> Module:
     )
 
 
-def state_dicts(
-    state: dict[str, Any],
-    options: Any,
-    filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    keys: list[str] | None = None,
-) -> dict[str, Any]:
-    """Entries of ``state`` (all, or ``keys``) as what is written: modules and optimizers through torch's
-    state-dict API, stateful objects through their ``state_dict()``, plain values as they are."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+class DistributedStateDicts:
+    """What modules and optimizers of ``state`` become through torch's distributed state-dict API (a
+    ``StateDictSource`` for :func:`fabric.checkpoint.state.collect_states`): keys are parameter names for any
+    layout, sharded tensors are DTensors, or, with ``full_state_dict`` options, whole tensors."""
 
-    converted: dict[str, Any] = {}
-    for key in state if keys is None else keys:
-        obj, kind = state[key], kind_of(state[key])
-        if kind == MODULE:
-            value: Any = get_model_state_dict(obj, options=options)
-        elif kind == OPTIMIZER:
-            value = get_optimizer_state_dict(owner_of(obj, state, key), obj, options=options)
-        else:
-            value = obj.state_dict() if is_stateful(obj) else obj
-        converted[key] = filtered(key, value, filter)
-    return converted
+    def __init__(self, state: dict[str, Any], options: Any) -> None:
+        self._state = state
+        self._options = options
+
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(module, options=self._options)
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        key = next(key for key, value in self._state.items() if value is optimizer)
+        return get_optimizer_state_dict(owner_of(optimizer, self._state, key), optimizer, options=self._options)
 
 
 def split_tensors(entries: dict[str, Any], kinds: dict[str, str]) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Path_]]:
@@ -161,14 +154,14 @@ def optimizer_named(state_dict: dict[str, Any], target: dict[str, Any], key: str
     """A numbered optimizer state renamed after ``target``'s parameter names (same order of parameters)."""
     groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
     if not isinstance(groups, list) or "state" not in state_dict:
-        raise ValueError(f"state[{key!r}]: the checkpoint entry is not an optimizer state dict")
+        raise CheckpointMismatchError(f"state[{key!r}]: the checkpoint entry is not an optimizer state dict")
     if all(isinstance(name, str) for group in groups for name in group["params"]):
         return state_dict
     names = [name for group in target["param_groups"] for name in group["params"]]
     sizes = [len(group["params"]) for group in groups]
     target_sizes = [len(group["params"]) for group in target["param_groups"]]
     if sizes != target_sizes:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"state[{key!r}]: the checkpoint's optimizer has parameter groups of sizes {sizes}, this one {target_sizes}"
         )
     number_to_name: dict[Any, Any] = {}
@@ -177,46 +170,8 @@ def optimizer_named(state_dict: dict[str, Any], target: dict[str, Any], key: str
     state = {number_to_name[number]: value for number, value in state_dict["state"].items() if number in number_to_name}
     renamed = [{**group, "params": list(target_group["params"])} for group, target_group in zip(groups, target["param_groups"])]
     if len(number_to_name) != len(names):
-        raise ValueError(f"state[{key!r}]: the checkpoint's optimizer numbers its parameters inconsistently")
+        raise CheckpointMismatchError(f"state[{key!r}]: the checkpoint's optimizer numbers its parameters inconsistently")
     return {"state": state, "param_groups": renamed}
-
-
-# ---- checks before anything changes ----------------------------------------------------------------
-
-
-def check_module_fits(key: str, target: dict[str, Any], saved_shapes: dict[str, tuple[int, ...] | None], strict: bool) -> None:
-    """KeyError/RuntimeError naming the first problem if the saved module entry cannot load into ``target``.
-
-    ``saved_shapes`` maps each saved name to its global shape (None for a non-tensor entry).
-    """
-    missing = sorted(name for name in target if name not in saved_shapes)
-    unexpected = sorted(name for name in saved_shapes if name not in target)
-    if strict and (missing or unexpected):
-        raise KeyError(
-            f"state[{key!r}]: the checkpoint does not fit the model: missing keys {missing},"
-            f" unexpected keys {unexpected}; pass strict=False to load the keys that match"
-        )
-    for name, shape in saved_shapes.items():
-        value = target.get(name)
-        if shape is not None and isinstance(value, Tensor) and tuple(value.shape) != tuple(shape):
-            raise RuntimeError(
-                f"state[{key!r}]: the checkpoint does not fit the model: {name!r} has shape {tuple(shape)} in the"
-                f" checkpoint but {tuple(value.shape)} in the model"
-            )
-
-
-def check_optimizer_fits(key: str, saved: dict[str, Any], target: dict[str, Any]) -> None:
-    """ValueError if the saved (name-keyed) optimizer state was made for other parameters."""
-    saved_groups = [list(group["params"]) for group in saved.get("param_groups", [])]
-    target_groups = [list(group["params"]) for group in target["param_groups"]]
-    if saved_groups != target_groups:
-        raise ValueError(
-            f"state[{key!r}]: the checkpoint's optimizer updates parameters {saved_groups}, this one {target_groups}"
-        )
-
-
-def tensor_shapes(entry: Any) -> dict[str, tuple[int, ...] | None]:
-    return {name: tuple(value.shape) if isinstance(value, Tensor) else None for name, value in entry.items()}
 
 
 def plain_copy(value: Tensor) -> Tensor:
@@ -229,7 +184,3 @@ def plain_copy(value: Tensor) -> Tensor:
             local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
         )
     return value.detach().to("cpu", copy=True)
-
-
-def empty_like_saved(size: Any, dtype: torch.dtype) -> Tensor:
-    return torch.empty(tuple(size), dtype=dtype)

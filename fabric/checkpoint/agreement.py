@@ -1,0 +1,81 @@
+"""How every rank learns the outcome of a checkpoint step that rank 0 alone takes (writing a file,
+preparing or publishing a folder), so that no rank waits for a file that will not come and every rank
+raises the same error.
+
+The one agreement of the checkpoint pipeline: rank 0 runs the step, its result or its error travels to
+every rank through the strategy's broadcast (torch.distributed or Horovod), and each rank returns the
+result or raises. Rank 0 raises its own exception (with its traceback); the others raise the same class
+(or RuntimeError, for a class they could not rebuild) with rank 0's message.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = ["Outcome", "broadcast_in_group", "on_rank_zero", "rank_in_group"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Rank 0's result of a step, as every rank learns it (picklable; no traceback)."""
+
+    value: Any = None
+    error_type: type[BaseException] | None = None
+    message: str = ""
+
+    @classmethod
+    def of_error(cls, error: BaseException) -> Outcome:
+        error_type: type[BaseException] = type(error)
+        try:
+            pickle.dumps(error_type)
+        except Exception:  # a class the other ranks could not unpickle (defined in a function)
+            error_type = RuntimeError
+        return cls(None, error_type, f"{type(error).__name__}: {error}" if error_type is not type(error) else str(error))
+
+    def result(self) -> Any:
+        """The value, or the error rebuilt from rank 0's class and message."""
+        if self.error_type is None:
+            return self.value
+        text = f"Rank 0 failed to save the checkpoint: {self.message}"
+        try:
+            error = self.error_type(text)
+        except Exception:  # an exception class that takes other arguments: keep the message
+            error = RuntimeError(f"{self.error_type.__name__}: {text}")
+        raise error
+
+
+def on_rank_zero(step: Callable[[], T], *, rank: int, broadcast: Callable[[Any], Any]) -> T:
+    """Run ``step`` on rank 0 only; every rank returns its value or raises its error. A collective."""
+    outcome, error = Outcome(), None
+    if rank == 0:
+        try:
+            outcome = Outcome(step())
+        except Exception as err:
+            outcome, error = Outcome.of_error(err), err
+    outcome = broadcast(outcome)
+    if error is not None:
+        raise error
+    return outcome.result()
+
+
+def broadcast_in_group(obj: Any, group: Any = None) -> Any:
+    """Rank 0's ``obj`` on every rank of ``group`` over torch.distributed (``obj`` itself without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, group=group, group_src=0)
+    return holder[0]
+
+
+def rank_in_group(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 without a process group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,133 @@
+"""Does a saved entry fit the object it is loaded into? Every check of the checkpoint pipeline, in one place.
+
+Loading checks every entry before it changes anything, so a checkpoint that does not fit leaves every
+object as it was. Every misfit raises one class, :class:`CheckpointMismatchError`, naming ``state[key]``
+and what differs; it derives from KeyError, ValueError, TypeError and RuntimeError, so ``except`` clauses
+written for what torch, Lightning or earlier versions of this package raised keep working.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from fabric.checkpoint.stateful import checks_state
+from fabric.utilities.exceptions import CheckpointMismatchError
+
+__all__ = [
+    "CheckpointMismatchError",
+    "check_entries_present",
+    "check_entry",
+    "check_kind",
+    "check_module_fits",
+    "check_optimizer_fits",
+    "check_optimizer_state_fits",
+    "check_state_dict_fits",
+    "check_stateful_entry",
+    "tensor_shapes",
+]
+
+
+def check_entries_present(path: str | os.PathLike, state: dict[str, Any], saved: Any, strict: bool) -> None:
+    """KeyError if ``strict`` and some key of ``state`` has no entry among ``saved``'s keys."""
+    missing = [key for key in state if key not in saved]
+    if missing and strict:
+        raise CheckpointMismatchError(
+            f"Checkpoint {str(path)!r} has no entry for {missing} (it holds {sorted(saved)});"
+            " pass strict=False to load the entries it has"
+        )
+
+
+def check_stateful_entry(key: str, obj: Any, saved: Any) -> None:
+    """Ask a ``CheckedStateful`` entry whether ``saved`` fits it (ValueError naming ``state[key]`` if not)."""
+    if not checks_state(obj):
+        return
+    try:
+        obj.check_state_dict(saved)
+    except ValueError as err:
+        raise CheckpointMismatchError(f"state[{key!r}]: {err}") from None
+
+
+def check_entry(key: str, obj: Any, saved: Any, strict: bool) -> None:
+    """Raise (naming ``state[key]``) if ``saved`` cannot be loaded into ``obj``."""
+    if not isinstance(obj, (Module, Optimizer)):
+        check_stateful_entry(key, obj, saved)
+        return
+    try:
+        if isinstance(obj, Module):
+            check_state_dict_fits(obj, saved, strict=strict)
+        else:
+            check_optimizer_state_fits(obj, saved)
+    except (KeyError, RuntimeError, ValueError, TypeError) as err:
+        message = err.args[0] if err.args else str(err)
+        raise CheckpointMismatchError(f"state[{key!r}]: {message}") from None
+
+
+def check_state_dict_fits(module: Module, state_dict: Any, strict: bool = True) -> None:
+    """Raise before loading if ``state_dict`` would not load into ``module`` whole.
+
+    ``Module.load_state_dict`` copies the matching tensors before it reports a shape mismatch, leaving
+    the module half-loaded; checking first keeps it intact.
+    """
+    if not isinstance(state_dict, dict):
+        raise CheckpointMismatchError(f"Expected a state dict (a dict of tensors) for {type(module).__name__}, got {type(state_dict).__name__}")
+    check_module_fits(type(module).__name__, module.state_dict(), tensor_shapes(state_dict), strict)
+
+
+def check_optimizer_state_fits(optimizer: Optimizer, state_dict: Any) -> None:
+    """Raise ValueError if ``state_dict`` is not an optimizer state with the same parameter group sizes."""
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
+        raise CheckpointMismatchError(f"Expected an optimizer state dict for {type(optimizer).__name__}, got {type(state_dict).__name__}")
+    saved = [len(group["params"]) for group in state_dict["param_groups"]]
+    current = [len(group["params"]) for group in optimizer.param_groups]
+    if saved != current:
+        raise CheckpointMismatchError(
+            f"The optimizer state does not fit {type(optimizer).__name__}: parameter group sizes {saved} in the"
+            f" checkpoint, {current} in the optimizer"
+        )
+
+
+def check_module_fits(what: str, target: dict[str, Any], saved_shapes: dict[str, tuple[int, ...] | None], strict: bool) -> None:
+    """Raise naming the first problem if a saved module entry cannot load into the state dict ``target``.
+
+    ``what`` names the module in the message; ``saved_shapes`` maps each saved name to its global shape
+    (None for a non-tensor entry), so the check needs no saved data, only its index.
+    """
+    missing = [name for name in target if name not in saved_shapes]
+    unexpected = [name for name in saved_shapes if name not in target]
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(
+            f"The checkpoint does not fit {what}: missing keys {missing}, unexpected keys {unexpected};"
+            " pass strict=False to load the keys that match"
+        )
+    for name, shape in saved_shapes.items():
+        value = target.get(name)
+        if shape is not None and isinstance(value, Tensor) and tuple(value.shape) != tuple(shape):
+            raise CheckpointMismatchError(
+                f"The checkpoint does not fit {what}: {name!r} has shape {tuple(shape)} in the checkpoint but"
+                f" {tuple(value.shape)} in the model"
+            )
+
+
+def check_optimizer_fits(key: str, saved: dict[str, Any], target: dict[str, Any]) -> None:
+    """ValueError if the saved (name-keyed) optimizer state was made for other parameters."""
+    saved_groups = [list(group["params"]) for group in saved.get("param_groups", [])]
+    target_groups = [list(group["params"]) for group in target["param_groups"]]
+    if saved_groups != target_groups:
+        raise CheckpointMismatchError(
+            f"state[{key!r}]: the checkpoint's optimizer updates parameters {saved_groups}, this one {target_groups}"
+        )
+
+
+def tensor_shapes(entry: Any) -> dict[str, tuple[int, ...] | None]:
+    return {name: tuple(value.shape) if isinstance(value, Tensor) else None for name, value in entry.items()}
+
+
+def check_kind(key: str, kind: str, saved_kind: str) -> None:
+    """A module, an optimizer or another object here must be the same kind of entry in the checkpoint."""
+    if kind != saved_kind:
+        raise CheckpointMismatchError(f"state[{key!r}] is a {kind} here but the checkpoint holds a {saved_kind} under that key")

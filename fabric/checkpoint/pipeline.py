@@ -1,0 +1,142 @@
+"""A checkpoint's life, save and load, in one place; the strategy supplies the parts it owns.
+
+Saving: the states that differ between ranks are gathered (``per_rank``), then the strategy's declared
+format writes: ``"file"`` (the state dicts the strategy's hooks give, one file from rank 0 through the
+CheckpointIO plugin), ``"sharded"`` (a folder in which every rank writes its shards, ``sharded_folder``)
+or ``"full"`` (sharded objects gathered into one file from rank 0, ``full_file``). Rank 0's outcome
+reaches every rank (``agreement``); files and folders appear whole (``fabric.plugins.io.publish``).
+
+Loading: what is on disk decides, here alone: a folder of shards loads into any layout
+(``sharded_folder``); a file loads through the strategy's format (plain state dicts, or full tensors
+handed to sharded objects). Everything is checked before anything changes.
+
+The strategy is reached only through :class:`CheckpointHost`, so nothing here imports a strategy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from fabric.checkpoint.agreement import on_rank_zero
+from fabric.checkpoint.async_save import save_in_background, wait_for_pending_save
+from fabric.checkpoint.per_rank import gather_per_rank_states
+from fabric.checkpoint.state import StateDictHooks, StateFilter, collect_states, restore_states
+from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
+from fabric.plugins.io.publish import is_sharded_checkpoint
+
+__all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]
+
+#: How a strategy's checkpoints are written (``Strategy.checkpoint_format``).
+CheckpointFormat = Literal["file", "sharded", "full"]
+
+
+class CheckpointHost(StateDictHooks, Protocol):
+    """What the pipeline needs of a strategy: its format, its CheckpointIO, its ranks and two collectives."""
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat: ...
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor: ...
+
+
+def check_checkpoint_io(checkpoint_format: CheckpointFormat, checkpoint_io: CheckpointIO | None, strategy: str) -> None:
+    """Refuse a CheckpointIO plugin that ``checkpoint_format`` cannot honour (sharded folders are written by DCP)."""
+    if checkpoint_format == "sharded" and checkpoint_io is not None and type(checkpoint_io) is not TorchCheckpointIO:
+        raise ValueError(
+            f"{strategy} writes sharded checkpoints (a folder of shards, written by torch.distributed.checkpoint),"
+            f" which the CheckpointIO plugin {type(checkpoint_io).__name__} cannot write. Remove the plugin, or save"
+            " full checkpoints (FSDPStrategy(state_dict_type='full'), ModelParallelStrategy(save_distributed_checkpoint=False))"
+        )
+
+
+def save(
+    host: CheckpointHost,
+    path: str | Path,
+    state: dict[str, Any],
+    *,
+    filter: StateFilter | None = None,
+    async_save: bool = False,
+    storage_options: Any | None = None,
+) -> None:
+    """Write ``state`` to ``path`` in the host's format. A collective: call it on every rank.
+
+    Returns once the checkpoint is published (with ``async_save``: once its tensors are copied off; the
+    write's outcome comes with the next save or load); a failure is raised on every rank.
+    """
+    state = gather_per_rank_states(state, host.all_gather, host.world_size)
+    checkpoint_format = host.checkpoint_format
+    if checkpoint_format != "file":
+        if storage_options is not None:
+            raise TypeError(f"{type(host).__name__}.save_checkpoint got storage_options={storage_options!r}; it accepts none")
+        if checkpoint_format == "sharded":
+            from fabric.checkpoint.sharded_folder import save_sharded
+
+            save_sharded(path, state, filter=filter, async_save=async_save)
+            return
+        if async_save:
+            raise ValueError("save(..., async_save=True) needs state_dict_type='sharded'; got state_dict_type='full'")
+        from fabric.checkpoint.full_file import save_full
+
+        save_full(path, state, filter=filter, checkpoint_io=host.checkpoint_io)
+        return
+    checkpoint = collect_states(host, state, filter)
+
+    def write() -> None:
+        wait_for_pending_save()
+        if async_save:
+            save_in_background(host.checkpoint_io, checkpoint, path, storage_options)
+        else:
+            host.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    on_rank_zero(write, rank=host.global_rank, broadcast=lambda outcome: host.broadcast(outcome, src=0))
+
+
+def load(
+    host: CheckpointHost,
+    path: str | Path,
+    state: Module | Optimizer | dict[str, Any] | None = None,
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Restore ``state`` in place from ``path`` (a file or a folder of shards); return what it held beyond ``state``."""
+    wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
+    if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
+        from fabric.checkpoint.sharded_folder import load_sharded
+
+        if isinstance(state, (Module, Optimizer)):
+            raise TypeError(
+                f"{str(path)!r} is a sharded checkpoint folder; load it with fabric.load(path, {{'model': model, ...}})"
+                " rather than load_raw()"
+            )
+        return load_sharded(path, state, strict=strict, weights_only=weights_only)
+    if host.checkpoint_format != "file" and isinstance(state, dict):
+        from fabric.checkpoint.full_file import load_full  # full tensors into sharded objects
+
+        return load_full(path, state, strict=strict, weights_only=weights_only)
+    checkpoint = host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+    if state is None:
+        return checkpoint
+    if isinstance(state, Module):
+        host.load_module_state_dict(state, checkpoint, strict=strict)
+        return {}
+    if isinstance(state, Optimizer):
+        host.load_optimizer_state_dict(state, checkpoint)
+        return {}
+    return restore_states(host, state, checkpoint, path, strict=strict)

@@ -1,0 +1,367 @@
+"""Atomic publishing: a checkpoint on disk is always the previous one or the new one, whole.
+
+One file (``atomic_save``): written as a temporary file in the same folder, fsynced, renamed over the
+target (rename is atomic on POSIX and Windows), then the folder entry is fsynced. Stale temporary files
+of dead writers are removed by the next save.
+
+A folder (a sharded checkpoint): every rank writes into a temporary folder beside the target
+(``.fabric-tmpdir-NAME.TOKEN``); once all are done, rank 0 fsyncs and publishes it with renames:
+
+1. ``NAME`` (if any) is renamed aside to ``.fabric-old-NAME.TOKEN``
+2. the temporary folder is renamed to ``NAME``
+3. the aside copy becomes the *spare*, ``.fabric-spare-NAME``.
+
+A crash before 1 leaves ``NAME`` untouched; between 1 and 2 ``NAME`` is missing and the aside copy is
+the previous checkpoint, whole: :func:`resolve_for_load` finds it and the next save puts it back
+(:func:`prepare_target`); after 2 ``NAME`` is the new checkpoint and leftovers are cleaned up by the
+next save. Every piece can be tested without processes.
+
+Why a spare: the next save renames it to its temporary folder and overwrites its files in place.
+On ext4 rewriting existing files measured ~1.6x faster than writing new ones and deleting the old
+(block allocation and freeing); with the spare, an atomic save costs what an in-place
+``torch.distributed.checkpoint.save`` costs. The price is disk space: the spare keeps the peak of
+a save (old + new checkpoint) allocated between saves. It is never loaded, and removing it is safe.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fabric._core.processes import process_alive
+
+_TEMP_PREFIX = ".fabric-tmp-"
+
+
+def atomic_save(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj, path)`` that never leaves a torn file at ``path``, and is durable when it returns.
+
+    Parent folders are created. A crash at any moment leaves the old file (or none) at ``path``; the
+    temporary file it may leave behind starts with ``.fabric-tmp-`` and is removed by the next save.
+
+    Durability costs a flush of the whole file to disk. Most of it is hidden: while ``torch.save``
+    serializes, every finished stretch of the file is handed to the kernel for writeback at once
+    (``sync_file_range``), so the disk works in parallel with the serialization and the final
+    ``fdatasync`` only waits for the last few megabytes.
+    """
+    path = Path(path)
+    _check_target(path)
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_files(folder, path.name)
+    fd, temp_name = _create_temp_file(folder, path.name)
+    try:
+        with os.fdopen(fd, "wb", buffering=_WRITE_BUFFER) as file:
+            writer = _EarlyWriteback(file)
+            torch.save(obj, writer)  # type: ignore[arg-type]
+            writer.finish()
+        _keep_mode_of(path, temp_name)
+        os.replace(temp_name, path)
+    except BaseException as err:
+        try:
+            os.unlink(temp_name)
+        except FileNotFoundError:
+            pass
+        write_error = _write_error(err)
+        if write_error is not None:
+            # the user knows the target, not our hidden temporary file: name the target
+            raise OSError(write_error.errno, f"Could not save the checkpoint {str(path)!r}: {write_error.strerror}"
+                          " (the previous file, if any, is unchanged)") from err
+        raise
+    fsync_folder(folder)
+
+
+def _check_target(path: Path) -> None:
+    """Only a regular file (or nothing) may be replaced: never a folder, a device, a FIFO or a socket."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # e.g. a component is not a folder: mkdir / open report it naming the path
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"Cannot save a checkpoint to {str(path)!r}: it is a folder")
+    if not stat.S_ISREG(mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise ValueError(
+            f"Cannot save a checkpoint to {str(path)!r}: it is {kind}; accepted: a regular file or a path that does"
+            " not exist yet"
+        )
+
+
+_FILE_KINDS = {
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _write_error(err: BaseException) -> OSError | None:
+    """The operating system's write error (disk full, file too large, I/O error) behind ``err``, if any.
+
+    ``torch.save`` reports a failed write of its zip writer as a RuntimeError whose cause is lost; the
+    OSError raised by our file object is then its ``__context__``.
+    """
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno is not None and err.strerror:
+            return err
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+        seen += 1
+    return None
+
+
+# Small writes (zip headers) are gathered; big ones (tensor data) go straight to the kernel.
+_WRITE_BUFFER = 1 << 20
+# Hand the kernel each stretch of this many bytes for writeback as soon as it is written.
+_WRITEBACK_CHUNK = 16 << 20
+
+
+class _EarlyWriteback:
+    """The file object ``torch.save`` writes to: starts the disk writes while serialization goes on.
+
+    Without it, ``torch.save`` fills the page cache and the final sync writes everything at once,
+    after serialization: the two costs add up. Started early, they overlap.
+    """
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._fd = file.fileno()
+        self._written = 0  # bytes handed to ``write``
+        self._started = 0  # bytes whose writeback was started
+        self._sync_range = _sync_file_range()
+
+    def write(self, data: Any) -> int:
+        count = self._file.write(data)
+        self._written += count
+        if self._sync_range is not None and self._written - self._started >= _WRITEBACK_CHUNK:
+            self._file.flush()  # the kernel can only write back what it has
+            self._sync_range(self._fd, self._started, self._written - self._started)
+            self._started = self._written
+        return count
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def finish(self) -> None:
+        """Everything on disk (data, and the size needed to read it back)."""
+        self._file.flush()
+        if hasattr(os, "fdatasync"):
+            os.fdatasync(self._fd)
+        else:
+            os.fsync(self._fd)
+
+
+_SYNC_FILE_RANGE: Any = None
+
+
+def _sync_file_range() -> Any:
+    """``sync_file_range(fd, offset, nbytes)`` that starts writeback without waiting, or None.
+
+    Linux only (through ctypes: Python does not expose it); elsewhere the final sync does it all.
+    """
+    global _SYNC_FILE_RANGE
+    if _SYNC_FILE_RANGE is None:
+        _SYNC_FILE_RANGE = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                libc = ctypes.CDLL(None, use_errno=True)
+                function = libc.sync_file_range
+                function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                function.restype = ctypes.c_int
+                write = 2  # SYNC_FILE_RANGE_WRITE: start writing the dirty pages, do not wait
+
+                def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+                    function(fd, offset, nbytes, write)  # a failure only means less overlap
+
+                _SYNC_FILE_RANGE = start_writeback
+            except (OSError, AttributeError):
+                pass
+    return _SYNC_FILE_RANGE or None
+
+
+def _create_temp_file(folder: Path, name: str) -> tuple[int, str]:
+    """A new file next to the target, named after it and this process (so stale ones can be told).
+
+    Created with mode 0o666 so the umask applies, as for ``torch.save`` (``mkstemp`` would make it 0o600).
+    """
+    for _ in range(100):
+        temp_name = str(folder / f"{_TEMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            return os.open(temp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), temp_name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"Could not create a temporary file next to {str(folder / name)!r}")
+
+
+def _keep_mode_of(path: Path, temp_name: str) -> None:
+    """An existing checkpoint's permissions carry over to its replacement, as an overwrite would keep them."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return
+    try:
+        os.chmod(temp_name, mode)
+    except OSError:
+        pass
+
+
+def _remove_stale_temp_files(folder: Path, name: str) -> None:
+    """Delete temp files a crashed save of ``name`` left behind; a live process's file is left alone."""
+    for stale in folder.glob(f"{_TEMP_PREFIX}{name}.*"):
+        writer = stale.name[len(_TEMP_PREFIX) + len(name) + 1 :].split(".", 1)[0]
+        if not writer.isdigit() or process_alive(int(writer)):
+            continue  # another file's temp (e.g. of "name.bak"), or a save still in progress
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+
+
+def fsync_folder(folder: Path) -> None:
+    # the rename itself is only durable once the folder entry is on disk
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- folders --------------------------------------------------------------------------------
+
+
+
+
+
+TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"
+ASIDE_PREFIX = ".fabric-old-"
+SPARE_PREFIX = ".fabric-spare-"
+INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
+_TOKEN_BYTES = 6
+
+
+def new_token() -> str:
+    """The random part of a temporary or aside name (rank 0 picks it and tells the other ranks)."""
+    return secrets.token_hex(_TOKEN_BYTES)
+
+
+def temp_folder_for(path: str | Path, token: str) -> Path:
+    path = Path(path)
+    return path.parent / f"{TEMP_FOLDER_PREFIX}{path.name}.{token}"
+
+
+def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[str] = frozenset()) -> None:
+    """Before a save (rank 0, no save of ``path`` running): undo what a crashed save left behind.
+
+    A missing ``path`` with an aside copy is a commit cut between its two renames: the previous
+    checkpoint goes back in place. Other aside copies and temporary folders are garbage. With a
+    ``token``, the spare (if any) becomes this save's temporary folder, keeping only the files named
+    in ``keep`` (those the save will overwrite).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    asides = _siblings(path, ASIDE_PREFIX)
+    if asides and not _exists(path):
+        newest = max(asides, key=lambda aside: aside.stat().st_mtime)
+        os.rename(newest, path)
+        fsync_folder(path.parent)
+        asides.remove(newest)
+    for leftover in asides + _siblings(path, TEMP_FOLDER_PREFIX):
+        _remove(leftover)
+    spare = spare_for(path)
+    if token is not None and spare.is_dir() and not spare.is_symlink():
+        for entry in spare.iterdir():
+            if entry.name not in keep:
+                _remove(entry)
+        os.rename(spare, temp_folder_for(path, token))
+
+
+def spare_for(path: str | Path) -> Path:
+    path = Path(path)
+    return path.parent / f"{SPARE_PREFIX}{path.name}"
+
+
+def commit_folder(temp: Path, path: str | Path, token: str) -> None:
+    """Publish the finished folder ``temp`` as ``path`` (rank 0, after every rank finished writing)."""
+    path = Path(path)
+    fsync_folder(temp)
+    aside = path.parent / f"{ASIDE_PREFIX}{path.name}.{token}"
+    replacing = _exists(path)
+    if replacing:
+        os.rename(path, aside)
+    os.rename(temp, path)
+    fsync_folder(path.parent)
+    if not replacing:
+        return
+    spare = spare_for(path)
+    if aside.is_dir() and not aside.is_symlink() and not _exists(spare):
+        os.rename(aside, spare)  # the next save overwrites its files
+    else:
+        _remove(aside)
+
+
+def resolve_for_load(path: str | Path) -> Path:
+    """``path`` if it exists, else the previous checkpoint a save cut mid-commit left aside."""
+    path = Path(path)
+    if _exists(path):
+        return path
+    asides = _siblings(path, ASIDE_PREFIX)
+    if asides:
+        return max(asides, key=lambda aside: aside.stat().st_mtime)
+    raise FileNotFoundError(f"Checkpoint not found: {str(path)!r}")
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` (or the previous checkpoint a cut save left aside) is a sharded checkpoint folder."""
+    try:
+        folder = resolve_for_load(path)
+    except FileNotFoundError:
+        return False
+    return folder.is_dir() and (folder / INDEX_FILE).is_file()
+
+
+def remove_quietly(path: Path) -> None:
+    """Remove a folder or file a failed save left; never raises (the original error matters more)."""
+    try:
+        _remove(path)
+    except OSError:
+        pass
+
+
+def _siblings(path: Path, prefix: str) -> list[Path]:
+    if not path.parent.is_dir():
+        return []
+    start = f"{prefix}{path.name}."
+    # the rest must be exactly a token: ".fabric-old-a.b.TOKEN" belongs to "a.b", not to "a"
+    return [
+        entry
+        for entry in path.parent.iterdir()
+        if entry.name.startswith(start) and _is_token(entry.name[len(start) :])
+    ]
+
+
+def _is_token(text: str) -> bool:
+    return len(text) == 2 * _TOKEN_BYTES and all(char in "0123456789abcdef" for char in text)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif _exists(path):
+        path.unlink()
