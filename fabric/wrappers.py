@@ -388,6 +388,16 @@ def unwrap(obj: Any) -> Any:
     return obj
 
 
+def _unwrap_objects(collection: Any) -> Any:
+    """``collection`` (any nesting) with every Fabric wrapper replaced by the user's object.
+
+    Lightning Fabric's private name for it, which its own ``build_your_own_trainer`` example imports.
+    """
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    return apply_to_collection(collection, (FabricModule, FabricOptimizer, FabricDataLoader, Module), unwrap)
+
+
 def is_wrapped(obj: Any) -> bool:
     """Whether ``obj`` came from ``Fabric.setup*`` (also after ``torch.compile`` of a set-up module)."""
     return isinstance(split_compiled(obj)[0], (FabricModule, FabricOptimizer, FabricDataLoader))

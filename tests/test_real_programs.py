@@ -275,3 +275,13 @@ def test_names_lightning_programs_import() -> None:
         TorchCollective._convert_to_native_op("average-ish")
     with pytest.raises(RuntimeError, match="create_group"):
         SingleDeviceCollective().group  # noqa: B018
+
+
+def test_the_private_unwrap_lightnings_own_example_imports() -> None:
+    from fabric.wrappers import _unwrap_objects
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    module = nn.Linear(2, 2)
+    model, optimizer = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    unwrapped = _unwrap_objects({"model": model, "optimizers": [optimizer], "step": 3})
+    assert unwrapped["model"] is module and unwrapped["optimizers"][0] is optimizer.optimizer and unwrapped["step"] == 3
