@@ -399,14 +399,14 @@ class _AllGatherSumGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
         import horovod.torch as hvd
 
         ctx.rank = hvd.rank()
         return hvd.allgather(tensor.unsqueeze(0).contiguous())
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> Tensor:
         import horovod.torch as hvd
 
         return hvd.allreduce(grad_output.contiguous(), op=hvd.Sum)[ctx.rank]
