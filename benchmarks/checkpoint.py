@@ -38,10 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from fabric import Fabric  # noqa: E402
-from fabric.plugins.io import publish as fabric_io  # noqa: E402
+from fabric import Fabric
+from fabric.plugins.io import publish as fabric_io
 
 GOAL = 1.10
 

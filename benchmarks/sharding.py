@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fabric import Fabric  # noqa: E402
-from fabric.strategies import FSDPStrategy  # noqa: E402
+from fabric import Fabric
+from fabric.strategies import FSDPStrategy
 
 WIDTH = 512
 

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
-from support.scripts.ddp import dropin_checks
-from support.environment import isolate, job_environment
-from support.loading import script_path
 from fabric import Fabric
 from fabric.strategies import DataParallelStrategy
 from fabric.wrappers import is_wrapped, unwrap
+from support.environment import isolate, job_environment
+from support.loading import script_path
+from support.scripts.ddp import dropin_checks
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
@@ -241,9 +241,8 @@ def test_setup_dataloaders_refuses_what_is_not_a_dataloader():
 
 
 def test_no_backward_sync_needs_a_set_up_module():
-    with pytest.raises(TypeError, match="takes the module returned by setup"):
-        with cpu_fabric().no_backward_sync(nn.Linear(2, 2)):
-            pass
+    with pytest.raises(TypeError, match="takes the module returned by setup"), cpu_fabric().no_backward_sync(nn.Linear(2, 2)):
+        pass
 
 
 @pytest.mark.parametrize("devices", [1.5, object(), [0], "abc", True])

@@ -409,9 +409,8 @@ def test_no_backward_sync_accumulates_on_a_single_device():
         assert torch.allclose(p.grad, p_raw.grad)
     with fabric.no_backward_sync(fmodel, enabled=False):
         pass
-    with pytest.raises(TypeError, match="module returned by setup"):
-        with fabric.no_backward_sync(make_model()):
-            pass
+    with pytest.raises(TypeError, match="module returned by setup"), fabric.no_backward_sync(make_model()):
+        pass
 
 
 # ---- collectives at world size 1 ------------------------------------------------------------------

@@ -334,9 +334,7 @@ class HorovodStrategy(ParallelStrategy):
         if header is None:
             return hvd.broadcast_object(obj if is_src else None, root_rank=src, name="fabric.broadcast.object")
         shape, dtype, device_type = header
-        if is_src:
-            payload = obj.detach()
-        elif isinstance(obj, Tensor) and tuple(obj.shape) == shape and obj.dtype == dtype:
+        if is_src or (isinstance(obj, Tensor) and tuple(obj.shape) == shape and obj.dtype == dtype):
             payload = obj.detach()
         else:
             payload = torch.empty(shape, dtype=dtype, device=self.root_device if device_type != "cpu" else "cpu")

@@ -43,13 +43,13 @@ from fabric.supervision.signals import SignalForwarding, SignalPipe
 
 __all__ = [
     "GRACE_S",
-    "JobResult",
     "POLL_S",
+    "SETTLE_S",
+    "JobResult",
     "RankFailedError",
     "RankFailure",
     "RankProcess",
     "RankState",
-    "SETTLE_S",
     "Supervisor",
     "describe_exit",
     "only_in_this_process",

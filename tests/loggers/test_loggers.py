@@ -21,8 +21,8 @@ from fabric.loggers import CSVLogger, Logger, TensorBoardLogger
 from fabric.loggers.logger import DEFAULT_NAME
 from fabric.utilities.rank_zero import rank_zero_only
 from support import PYTHON
-from support.processes import fabric_run, run
 from support.loading import script_path
+from support.processes import fabric_run, run
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from support.environment import isolate, job_environment
-from support.loading import script_path
-from support.scripts.ddp.harness import JobFailed
 from fabric import Fabric
+from fabric.plugins.precision import precision_for
 from fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
 from fabric.strategies.fsdp import _selected, mixed_precision_policy
 from fabric.strategies.sharding import clip_grad_norm_over_shards
-from fabric.plugins.precision import precision_for
+from support.environment import isolate, job_environment
+from support.loading import script_path
+from support.scripts.ddp.harness import JobFailed
 
 SCRIPTS = script_path("sharding", "train_job.py").parent
 TOLERANCE = 1e-5

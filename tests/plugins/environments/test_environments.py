@@ -17,9 +17,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support import REPO
-from support.loading import script_path
-
 from fabric.plugins import environments as envs
 from fabric.plugins.environments import (
     ClusterEnvironment,
@@ -34,6 +31,8 @@ from fabric.plugins.environments import (
     find_free_port,
     parse_slurm_nodelist,
 )
+from support import REPO
+from support.loading import script_path
 
 REPO_ROOT = REPO
 
@@ -191,7 +190,7 @@ def run_fake_mpi_job(monkeypatch, mpi: FakeMPI, hosts: list[str]) -> list[dict]:
                 world_size=env.world_size(), global_rank=env.global_rank(), local_rank=env.local_rank(),
                 node_rank=env.node_rank(), main_address=env.main_address, main_port=env.main_port,
             )  # fmt: skip
-        except BaseException as err:  # noqa: BLE001 - reported to the main thread
+        except BaseException as err:  # reported to the main thread
             errors.append(err)
             world.barrier.abort()
 

@@ -9,8 +9,8 @@ file; with ``torch.save`` to the final path, killed the same way, torn files are
 from __future__ import annotations
 
 import math
-import pickle
 import os
+import pickle
 import random
 import signal
 import subprocess

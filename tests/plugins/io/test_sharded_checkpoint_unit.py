@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from fabric import Fabric
-from fabric.plugins.io import publish as atomic_folder
 from fabric.checkpoint.full_file import save_full
 from fabric.checkpoint.sharded_folder import OBJECTS_FILE, load_sharded, save_sharded
+from fabric.plugins.io import publish as atomic_folder
 from fabric.plugins.io.single_file import CheckpointLoadError
 
 
