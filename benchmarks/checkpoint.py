@@ -171,7 +171,7 @@ def main() -> None:
         for name in names:  # warm-up: first allocation of each file, imports, page cache
             runs[name]()
         shuffler = random.Random(0)
-        for rep in range(args.reps):
+        for _rep in range(args.reps):
             order = list(names)
             shuffler.shuffle(order)  # a new order each rep: no variant always follows the same one
             for name in order:

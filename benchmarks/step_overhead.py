@@ -136,7 +136,8 @@ def main() -> None:
         label = f"{label}[to_device]" if to_device else label
         print(
             f"{label}: raw {raw * 1e6:.1f} us, fabric {fab * 1e6:.1f} us, ratio {ratio:.3f}x"
-            f" (goal <= {goal:.2f}x) [{status}; median of {args.blocks} blocks x {args.steps} steps, {args.threads} thread(s), {'cpu' if use_cpu else 'wall'} clock]"
+            f" (goal <= {goal:.2f}x) [{status}; median of {args.blocks} blocks x {args.steps} steps,"
+            f" {args.threads} thread(s), {'cpu' if use_cpu else 'wall'} clock]"
         )
 
 

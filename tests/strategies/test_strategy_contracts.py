@@ -193,7 +193,7 @@ def test_on_rank_zero_runs_the_step_once_and_every_rank_learns_its_outcome():
     assert on_rank_zero(lambda: ran.append(0) or "token", rank=0, broadcast=broadcast) == "token"
     assert on_rank_zero(lambda: ran.append(1), rank=1, broadcast=broadcast) == "token" and ran == [0]
     sent.clear()
-    with pytest.raises(OSError, match="^full$"):  # rank 0 raises its own error
+    with pytest.raises(OSError, match=r"^full$"):  # rank 0 raises its own error
         on_rank_zero(lambda: (_ for _ in ()).throw(OSError("full")), rank=0, broadcast=broadcast)
     with pytest.raises(OSError, match="Rank 0 failed to save the checkpoint: full"):
         on_rank_zero(lambda: None, rank=1, broadcast=broadcast)

@@ -433,7 +433,7 @@ def test_unpicklable_function_fails_before_starting_anything(clean_environ, star
 
 @pytest.mark.timeout(10)
 def test_bad_start_method():
-    with pytest.raises(ValueError, match="'bogus'.*'spawn', 'fork', 'forkserver'"):
+    with pytest.raises(ValueError, match=r"'bogus'.*'spawn', 'fork', 'forkserver'"):
         MultiprocessingLauncher(StandInStrategy(1), start_method="bogus")
 
 
