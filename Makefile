@@ -19,9 +19,9 @@ venv: $(STAMP)
 demo: venv
 	$(PYTHON) examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp
 
-## Lint (ruff) and type checks (mypy) of the package; configured in pyproject.toml.
+## Lint (ruff: the package, tests, benchmarks and examples) and type checks (mypy: the package); configured in pyproject.toml.
 check: venv
-	$(VENV)/bin/ruff check fabric
+	$(VENV)/bin/ruff check fabric tests benchmarks examples
 	$(VENV)/bin/mypy
 
 ## The checks, then the test suite (Horovod tests run when Horovod is installed: see `make horovod`).

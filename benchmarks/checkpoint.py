@@ -38,10 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from fabric import Fabric  # noqa: E402
-from fabric.plugins.io import publish as fabric_io  # noqa: E402
+from fabric import Fabric
+from fabric.plugins.io import publish as fabric_io
 
 GOAL = 1.10
 
@@ -171,7 +171,7 @@ def main() -> None:
         for name in names:  # warm-up: first allocation of each file, imports, page cache
             runs[name]()
         shuffler = random.Random(0)
-        for rep in range(args.reps):
+        for _rep in range(args.reps):
             order = list(names)
             shuffler.shuffle(order)  # a new order each rep: no variant always follows the same one
             for name in order:

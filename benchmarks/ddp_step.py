@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fabric import Fabric  # noqa: E402
+from fabric import Fabric
 
 
 def make_mlp(width: int = 512, depth: int = 4) -> nn.Module:

@@ -97,7 +97,7 @@ def main() -> None:
             "raw torch job under torchrun": lambda: _torchrun(raw_job),
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for name, command in variants.items():  # warm-up: file system caches, .pyc files
+        for command in variants.values():  # warm-up: file system caches, .pyc files
             _time(command(), env, workdir)
         for _ in range(args.runs):
             for name, command in variants.items():

@@ -27,8 +27,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fabric import Fabric  # noqa: E402
-from fabric.strategies import FSDPStrategy  # noqa: E402
+from fabric import Fabric
+from fabric.strategies import FSDPStrategy
 
 WIDTH = 512
 
@@ -133,11 +133,17 @@ def main() -> None:
     memory, times = result["memory"], result["times"]
     ratio = memory["fabric_fsdp"] / memory["ddp"]
     print(f"per-rank bytes (params + grads + AdamW state), {n} processes:")
-    print(f"  DDP {memory['ddp'] / 2**20:8.2f} MiB   raw fully_shard {memory['raw_fsdp'] / 2**20:8.2f} MiB   Fabric FSDP {memory['fabric_fsdp'] / 2**20:8.2f} MiB")
+    print(
+        f"  DDP {memory['ddp'] / 2**20:8.2f} MiB   raw fully_shard {memory['raw_fsdp'] / 2**20:8.2f} MiB"
+        f"   Fabric FSDP {memory['fabric_fsdp'] / 2**20:8.2f} MiB"
+    )
     print(f"fsdp/ddp memory ratio: {ratio:.3f}   (goal <= 1/{n} + 10% = {1 / n * 1.1:.3f})")
     raw, wrapped = statistics.median(times["raw"]), statistics.median(times["fabric"])
     paired = statistics.median(f / r for f, r in zip(times["fabric"], times["raw"]))
-    print(f"raw fully_shard step median {raw * 1e3:8.3f} ms   Fabric FSDP step median {wrapped * 1e3:8.3f} ms ({args.rounds} rounds x {args.steps} steps, batch {args.batch})")
+    print(
+        f"raw fully_shard step median {raw * 1e3:8.3f} ms   Fabric FSDP step median {wrapped * 1e3:8.3f} ms"
+        f" ({args.rounds} rounds x {args.steps} steps, batch {args.batch})"
+    )
     print(f"fsdp step ratio fabric/raw: {paired:.3f}x   (median of per-round ratios; goal <= 1.03x)")
 
 

@@ -13,7 +13,6 @@ goes first), and we compare the medians of the per-step times of the blocks.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
 import time
@@ -22,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from fabric import Fabric  # noqa: E402
+from fabric import Fabric
 
 GOAL = 1.05
 GOAL_TO_DEVICE = 1.02  # one extra call per step, whose fast path should cost (almost) nothing
@@ -137,7 +136,8 @@ def main() -> None:
         label = f"{label}[to_device]" if to_device else label
         print(
             f"{label}: raw {raw * 1e6:.1f} us, fabric {fab * 1e6:.1f} us, ratio {ratio:.3f}x"
-            f" (goal <= {goal:.2f}x) [{status}; median of {args.blocks} blocks x {args.steps} steps, {args.threads} thread(s), {'cpu' if use_cpu else 'wall'} clock]"
+            f" (goal <= {goal:.2f}x) [{status}; median of {args.blocks} blocks x {args.steps} steps,"
+            f" {args.threads} thread(s), {'cpu' if use_cpu else 'wall'} clock]"
         )
 
 

@@ -45,7 +45,7 @@ from fabric.run_options import DEFAULT_MAIN_PORT, PROG, RunConfig, build_run_par
 if TYPE_CHECKING:
     from fabric.supervision.node_rendezvous import NodeRendezvous
 
-__all__ = ["main", "run", "build_run_parser"]
+__all__ = ["build_run_parser", "main", "run"]
 
 # ---- what to start --------------------------------------------------------------------------------------
 

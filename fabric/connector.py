@@ -11,6 +11,7 @@ from typing import Any
 
 from fabric._core.env import fabric_variable
 from fabric.accelerators import ACCELERATOR_REGISTRY, Accelerator, CPUAccelerator, CUDAAccelerator, MPSAccelerator
+from fabric.input_types import AcceleratorInput, DevicesInput, PluginInput, PrecisionInput, StrategyInput
 from fabric.plugins.io import CheckpointIO
 from fabric.plugins.precision import Precision, normalize_precision, precision_for
 from fabric.strategies import STRATEGY_REGISTRY, strategy_class
@@ -23,12 +24,12 @@ _DEFAULTS: dict[str, Any] = {"accelerator": "auto", "strategy": "auto", "devices
 class Connector:
     def __init__(
         self,
-        accelerator: str | Accelerator = "auto",
-        strategy: str | Strategy = "auto",
-        devices: Any = "auto",
+        accelerator: AcceleratorInput = "auto",
+        strategy: StrategyInput = "auto",
+        devices: DevicesInput = "auto",
         num_nodes: int = 1,
-        precision: Any = None,
-        plugins: Any = None,
+        precision: PrecisionInput = None,
+        plugins: PluginInput = None,
     ) -> None:
         accelerator = _from_environment("accelerator", accelerator)
         strategy = _from_environment("strategy", strategy)

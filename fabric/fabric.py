@@ -24,6 +24,15 @@ from fabric.accelerators import Accelerator
 from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_argument
 from fabric.checkpoint.state import check_filter
 from fabric.connector import Connector
+from fabric.input_types import (
+    AcceleratorInput,
+    CallbacksInput,
+    DevicesInput,
+    LoggersInput,
+    PluginInput,
+    PrecisionInput,
+    StrategyInput,
+)
 from fabric.launching import check_launch_request, do_nothing
 from fabric.setup_inputs import check_optimizers, prepare_dataloader, prepare_module, wrap_module
 from fabric.strategies.strategy import Strategy
@@ -50,14 +59,14 @@ class Fabric:
 
     def __init__(
         self,
-        accelerator: str | Accelerator = "auto",
-        strategy: str | Strategy = "auto",
-        devices: list[int] | str | int = "auto",
+        accelerator: AcceleratorInput = "auto",
+        strategy: StrategyInput = "auto",
+        devices: DevicesInput = "auto",
         num_nodes: int = 1,
-        precision: Any = None,
-        plugins: Any = None,
-        callbacks: Any = None,
-        loggers: Any = None,
+        precision: PrecisionInput = None,
+        plugins: PluginInput = None,
+        callbacks: CallbacksInput = None,
+        loggers: LoggersInput = None,
     ) -> None:
         connector = Connector(
             accelerator=accelerator,

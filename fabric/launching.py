@@ -37,4 +37,4 @@ def in_interactive_session() -> bool:
 
 def do_nothing(*args: Any, **kwargs: Any) -> None:
     """What each process runs when ``launch()`` is called without a function (popen: the script goes on)."""
-    return None
+    return

@@ -254,10 +254,7 @@ class FabricOptimizer:
         """The strategy's step, then each callback's ``on_after_optimizer_step(strategy=..., optimizer=...)``."""
         if self._plain_step:  # decided at set-up: the strategy's step would only call this, and no callback has a hook
             return self._optimizer.step() if closure is None else self._optimizer.step(closure=closure)
-        if closure is None:
-            output = self._strategy.optimizer_step(self._optimizer)
-        else:
-            output = self._strategy.optimizer_step(self._optimizer, closure=closure)
+        output = self._strategy.optimizer_step(self._optimizer) if closure is None else self._strategy.optimizer_step(self._optimizer, closure=closure)
         for hook in self._after_step_hooks:
             hook(strategy=self._strategy, optimizer=self._optimizer)
         return output

@@ -65,7 +65,7 @@ def checkpoint(tmp_path) -> Path:
     ],
 )
 def test_unknown_names(kwargs, named):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="accepted") as info:
         Fabric(**kwargs)
     assert named in str(info.value) and "accepted" in str(info.value)
 

@@ -20,8 +20,8 @@ import pytest
 from fabric import cli, run_options
 from fabric.supervision.signals import SHUTDOWN_TIMEOUT_S
 from support import PYTHON
-from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
 from support.loading import script_path
+from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
 
 RANKS_ENV = script_path("multinode", "ranks_env.py")
 LINUX = sys.platform.startswith("linux")

@@ -156,7 +156,7 @@ def test_single_device_strategy_with_several_devices():
         Fabric(accelerator="cpu", strategy="single_device", devices=2)
 
 
-@pytest.mark.parametrize("accelerator, available", [("cuda", CUDAAccelerator), ("mps", MPSAccelerator)])
+@pytest.mark.parametrize(("accelerator", "available"), [("cuda", CUDAAccelerator), ("mps", MPSAccelerator)])
 def test_unavailable_accelerator(accelerator, available):
     if available.is_available():
         pytest.skip(f"{accelerator} is available here")
@@ -261,7 +261,7 @@ def test_environment_precision_is_used_when_the_code_has_none(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "variable, value, argument, code_value",
+    ("variable", "value", "argument", "code_value"),
     [
         ("FABRIC_PRECISION", "bf16-mixed", "precision", "64-true"),
         ("FABRIC_ACCELERATOR", "cpu", "accelerator", "cuda"),

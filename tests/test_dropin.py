@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
-from support.scripts.ddp import dropin_checks
-from support.environment import isolate, job_environment
-from support.loading import script_path
 from fabric import Fabric
 from fabric.strategies import DataParallelStrategy
 from fabric.wrappers import is_wrapped, unwrap
+from support.environment import isolate, job_environment
+from support.loading import script_path
+from support.scripts.ddp import dropin_checks
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
@@ -42,7 +42,7 @@ def dp_fabric() -> Fabric:
 # ---- FabricModule: device, dtype, methods other than forward -------------------------------------------
 
 
-@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
+@pytest.mark.parametrize(("precision", "dtype"), [("32-true", torch.float32), ("64-true", torch.float64), ("bf16-true", torch.bfloat16)])
 def test_module_device_and_dtype(precision, dtype):
     model = cpu_fabric(precision=precision).setup(nn.Linear(2, 2))
     assert model.device == torch.device("cpu")
@@ -84,7 +84,7 @@ def test_mark_forward_method_checks_its_argument():
         model.mark_forward_method(1)
     with pytest.raises(ValueError, match="forward always runs through the strategy"):
         model.mark_forward_method("forward")
-    with pytest.raises(AttributeError, match="StepModel.missing is not a method"):
+    with pytest.raises(AttributeError, match=r"StepModel\.missing is not a method"):
         model.mark_forward_method("missing")
 
 
@@ -206,7 +206,7 @@ def test_a_callback_attribute_that_is_not_callable_is_skipped_with_a_warning():
 def test_optimizer_step_calls_on_after_optimizer_step():
     recorder = Recorder()
     fabric = cpu_fabric(callbacks=recorder)
-    model, optimizer = fabric.setup(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
+    _model, optimizer = fabric.setup(nn.Linear(2, 1), torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1))
     optimizer.step()
     optimizer.step(closure=lambda: torch.tensor(0.0))
     assert [name for name, _ in recorder.calls] == ["on_after_optimizer_step"] * 2
@@ -234,23 +234,22 @@ def test_loggers_of_a_wrong_type(loggers):
 
 def test_setup_dataloaders_refuses_what_is_not_a_dataloader():
     fabric = cpu_fabric()
-    with pytest.raises(TypeError, match="takes torch.utils.data.DataLoader objects, got list"):
+    with pytest.raises(TypeError, match=r"takes torch\.utils\.data\.DataLoader objects, got list"):
         fabric.setup_dataloaders([torch.ones(2), torch.zeros(2)])
     with pytest.raises(TypeError, match="got generator"):
         fabric.setup_dataloaders(x for x in range(3))
 
 
 def test_no_backward_sync_needs_a_set_up_module():
-    with pytest.raises(TypeError, match="takes the module returned by setup"):
-        with cpu_fabric().no_backward_sync(nn.Linear(2, 2)):
-            pass
+    with pytest.raises(TypeError, match="takes the module returned by setup"), cpu_fabric().no_backward_sync(nn.Linear(2, 2)):
+        pass
 
 
 @pytest.mark.parametrize("devices", [1.5, object(), [0], "abc", True])
 def test_devices_of_a_wrong_type_raise_type_error(devices):
     with pytest.raises(TypeError, match="is not valid for the CPU accelerator"):
         Fabric(accelerator="cpu", devices=devices)
-    with pytest.raises(ValueError):  # and, as before, a ValueError
+    with pytest.raises(ValueError, match="is not valid for the CPU accelerator"):  # and, as before, a ValueError
         Fabric(accelerator="cpu", devices=devices)
 
 
@@ -351,7 +350,7 @@ def test_data_helpers():
     del hparams.epochs
     assert "epochs" not in hparams
     with pytest.raises(AttributeError, match="'AttributeDict' object has no attribute 'nope'"):
-        hparams.nope
+        hparams.nope  # noqa: B018 - the attribute lookup is what raises
     assert repr(hparams) == '"batch_size": 32\n"lr":         0.1'
     assert repr(AttributeDict()) == ""
 
@@ -447,7 +446,7 @@ def test_a_lightning_style_script_runs_on_one_process(tmp_path, subprocess_env):
     assert "epoch 3: test loss" in result.stdout
     assert "Seed set to 42" in result.stderr  # shown by default, as Lightning Fabric shows it
     assert len(results["kfold"]["fold_accuracies"]) == 3 and all(0 <= a <= 1 for a in results["kfold"]["fold_accuracies"])
-    assert all(map(lambda v: v == v, results["gan"]["d_losses"] + results["gan"]["g_losses"]))  # no NaN
+    assert all(v == v for v in results["gan"]["d_losses"] + results["gan"]["g_losses"])  # no NaN
     assert sorted(torch.load(tmp_path / "classifier.pt", weights_only=True)["model"]) == ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
 
 
@@ -514,10 +513,10 @@ def test_utilities_package_names_and_possible_user_warnings():
                  "rank_zero_warn", "disable_possible_user_warnings"):  # fmt: skip
         assert callable(getattr(utilities, name)), name
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        utilities.nothing
+        utilities.nothing  # noqa: B018 - the attribute lookup is what raises
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         disable_possible_user_warnings()
-        warnings.warn("maybe a mistake", PossibleUserWarning)
-        warnings.warn("a real one", UserWarning)
+        warnings.warn("maybe a mistake", PossibleUserWarning, stacklevel=1)
+        warnings.warn("a real one", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["a real one"]

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+
 from support import REPO
 from support.environment import clean_env
 

@@ -18,7 +18,7 @@ PACKAGE = REPO / "fabric"
 LAYERS: list[tuple[str, ...]] = [
     ("fabric.__main__", "fabric.cli", "fabric.run_options", "fabric.consolidate"),
     ("fabric", "fabric.fabric", "fabric.launching", "fabric.setup_inputs"),
-    ("fabric.connector",),
+    ("fabric.connector", "fabric.input_types"),
     ("fabric.wrappers", "fabric.forward_methods"),
     ("fabric.strategies",),
     ("fabric.strategies.launchers",),

@@ -25,8 +25,8 @@ import torch
 
 from support import PYTHON
 from support.environment import clean_env, free_port
-from support.processes import fabric_run, finish, read_ranks, start, wait_dead
 from support.loading import script_path
+from support.processes import fabric_run, finish, read_ranks, start, wait_dead
 
 JOB = script_path("multinode", "ddp_job.py")
 LINUX = sys.platform.startswith("linux")

@@ -281,7 +281,7 @@ class RecordingPrecision(Precision):
 
 def test_a_precision_plugin_with_its_own_backward_and_step_is_called():
     plugin = RecordingPrecision()
-    fabric, model, fmodel, foptimizer = set_up(None, plugins=plugin)
+    fabric, _model, fmodel, foptimizer = set_up(None, plugins=plugin)
     assert not fabric._plain_backward and not foptimizer._plain_step
     loss = fmodel(torch.randn(4, 3)).sum()
     fabric.backward(loss, model=fmodel)

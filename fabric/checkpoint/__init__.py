@@ -20,8 +20,8 @@ from fabric.checkpoint.stateful import CheckedStateful, PerRankStateful, Statefu
 
 __all__ = [
     "PER_RANK_KEY",
-    "CheckpointMismatchError",
     "CheckedStateful",
+    "CheckpointMismatchError",
     "PerRankStateful",
     "Stateful",
     "capture_random_state",

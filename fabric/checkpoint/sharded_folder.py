@@ -199,7 +199,7 @@ def _check_and_prepare(
         current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
         own = {flat: path for flat, path in paths.items() if path[0] == key}
         if kind == MODULE:
-            saved_shapes: dict[str, Any] = {name: None for name in skeleton[key]}
+            saved_shapes: dict[str, Any] = dict.fromkeys(skeleton[key])
             for flat, path in own.items():
                 saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
             fit.check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)

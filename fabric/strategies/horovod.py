@@ -334,9 +334,7 @@ class HorovodStrategy(ParallelStrategy):
         if header is None:
             return hvd.broadcast_object(obj if is_src else None, root_rank=src, name="fabric.broadcast.object")
         shape, dtype, device_type = header
-        if is_src:
-            payload = obj.detach()
-        elif isinstance(obj, Tensor) and tuple(obj.shape) == shape and obj.dtype == dtype:
+        if is_src or (isinstance(obj, Tensor) and tuple(obj.shape) == shape and obj.dtype == dtype):
             payload = obj.detach()
         else:
             payload = torch.empty(shape, dtype=dtype, device=self.root_device if device_type != "cpu" else "cpu")
@@ -399,14 +397,14 @@ class _AllGatherSumGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
         import horovod.torch as hvd
 
         ctx.rank = hvd.rank()
         return hvd.allgather(tensor.unsqueeze(0).contiguous())
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> Tensor:
         import horovod.torch as hvd
 
         return hvd.allreduce(grad_output.contiguous(), op=hvd.Sum)[ctx.rank]

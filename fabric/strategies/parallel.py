@@ -150,7 +150,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, tensor: Tensor, group: Any) -> Tensor:
         import torch.distributed as dist
 
         ctx.group = group
@@ -159,7 +159,7 @@ class _AllGatherWithGrad(torch.autograd.Function):
         return torch.stack(gathered)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         import torch.distributed as dist
 
         # an all-reduce rather than a reduce-scatter: gloo has no reduce-scatter

@@ -388,9 +388,9 @@ def _parameters_with_grad(optimizer: Optimizer) -> list[Tensor]:
 
 
 __all__ = [
+    "REDUCE_OPS",
     "BackwardSyncControl",
     "ConnectorChoices",
-    "REDUCE_OPS",
     "Strategy",
     "check_optimizer_state_fits",
     "check_state_dict_fits",

@@ -137,7 +137,8 @@ def install_stack_dump(job_dir: str | None, rank: int) -> bool:
     try:
         previous = signal.getsignal(DUMP_SIGNAL)
         # append mode: every dump lands at the end, whatever the supervisor has read so far
-        dump_file = open(_stack_file(job_dir, rank), "a", encoding="utf-8")
+        # open for the rest of the process (faulthandler writes to it on the signal); closed on re-registration
+        dump_file = open(_stack_file(job_dir, rank), "a", encoding="utf-8")  # noqa: SIM115
         # chain to a handler the user installed, never to the default action (which would kill us)
         chain = callable(previous)
         faulthandler.register(DUMP_SIGNAL, file=dump_file, all_threads=True, chain=chain)

@@ -43,13 +43,13 @@ from fabric.supervision.signals import SignalForwarding, SignalPipe
 
 __all__ = [
     "GRACE_S",
-    "JobResult",
     "POLL_S",
+    "SETTLE_S",
+    "JobResult",
     "RankFailedError",
     "RankFailure",
     "RankProcess",
     "RankState",
-    "SETTLE_S",
     "Supervisor",
     "describe_exit",
     "only_in_this_process",
@@ -348,10 +348,13 @@ class Supervisor:
         forwarding = self.forwarding
         while True:
             signum = self.signals.take() if self.signals is not None else None
-            if signum is not None and forwarding is not None:
-                # only running ranks are signalled: an ended (reaped) rank's pid may be someone else's by now
-                if not forwarding.stops_job(signum, [h.pid for h in self.alive() if h.pid is not None]):
-                    signum = None
+            # only running ranks are signalled: an ended (reaped) rank's pid may be someone else's by now
+            if (
+                signum is not None
+                and forwarding is not None
+                and not forwarding.stops_job(signum, [h.pid for h in self.alive() if h.pid is not None])
+            ):
+                signum = None
             forwarded = forwarding.forwarded if forwarding is not None else None
             if signum is not None:
                 return JobResult(signal=signum, forwarded=forwarded)

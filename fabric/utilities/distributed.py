@@ -22,7 +22,7 @@ else:  # a torch built without distributed support: the names still import
     class ReduceOp:  # type: ignore[no-redef]
         SUM = "sum"
 
-    class group:  # type: ignore[no-redef]  # noqa: N801
+    class group:  # type: ignore[no-redef]  # lower case: it stands in for torch.distributed.group
         WORLD = None
 
 

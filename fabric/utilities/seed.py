@@ -113,7 +113,7 @@ def _as_seed(seed: object) -> int:
         return int(seed)
     if isinstance(seed, (bool, float)) or not hasattr(seed, "__index__"):
         raise TypeError(f"seed_everything(seed=...) takes an int, got {seed!r} ({type(seed).__name__})")
-    return int(seed.__index__())  # type: ignore[attr-defined]
+    return int(seed.__index__())
 
 
 def _rank_or_none() -> int | None:

@@ -38,7 +38,7 @@ __all__ = ["Throughput", "ThroughputMonitor", "get_available_flops", "measure_fl
 class _IncreasingWindow(deque):
     """The last ``maxlen`` values of a running total, which must strictly increase (a stalled timer is a bug)."""
 
-    def append(self, value: Any) -> None:  # type: ignore[override]
+    def append(self, value: Any) -> None:
         if self and value <= self[-1]:
             raise ValueError(f"Expected each value to be larger than the one before: got {value} after {self[-1]}")
         super().append(value)

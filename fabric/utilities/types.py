@@ -16,13 +16,13 @@ from torch import Tensor
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 __all__ = [
-    "LRScheduler",
     "CollectibleGroup",
+    "LRScheduler",
     "Optimizable",
     "ProcessGroup",
+    "RedOpType",
     "ReduceLROnPlateau",
     "ReduceOp",
-    "RedOpType",
     "Steppable",
 ]
 

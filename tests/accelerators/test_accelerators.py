@@ -15,7 +15,7 @@ from fabric.accelerators.cuda import num_cuda_devices, parse_gpu_ids
 
 
 def test_registry():
-    assert ACCELERATOR_REGISTRY == {"cpu": CPUAccelerator, "cuda": CUDAAccelerator, "mps": MPSAccelerator}
+    assert ACCELERATOR_REGISTRY == {"cpu": CPUAccelerator, "cuda": CUDAAccelerator, "mps": MPSAccelerator}  # noqa: SIM300 - a registry, not a constant
     for cls in ACCELERATOR_REGISTRY.values():
         assert issubclass(cls, Accelerator)
         assert ACCELERATOR_REGISTRY[cls.name] is cls
@@ -29,7 +29,7 @@ def test_cpu_is_always_available():
     assert CPUAccelerator.auto_device_count() == 1
 
 
-@pytest.mark.parametrize("devices, expected", [("auto", 1), (1, 1), (4, 4), ("3", 3), (" 2 ", 2)])
+@pytest.mark.parametrize(("devices", "expected"), [("auto", 1), (1, 1), (4, 4), ("3", 3), (" 2 ", 2)])
 def test_cpu_devices(devices, expected):
     assert parse_cpu_cores(devices) == expected
     assert CPUAccelerator.parse_devices(devices) == expected
@@ -52,7 +52,7 @@ def test_cpu_setup_device():
 
 
 @pytest.mark.parametrize(
-    "devices, available, expected",
+    ("devices", "available", "expected"),
     [
         ("auto", 2, [0, 1]),
         ("auto", 1, [0]),
@@ -76,7 +76,7 @@ def test_gpu_ids(devices, available, expected):
 
 @pytest.mark.parametrize("devices", [0, -2, "0", "-2", "two", "", ",", "a,b", "0,-1", [], [-1], [0.5], [True], True, None, 1.0, {0}])
 def test_gpu_ids_invalid(devices):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="CUDA accelerator") as info:
         parse_gpu_ids(devices, 4, "cuda")
     message = str(info.value)
     assert f"devices={devices!r}" in message and "CUDA accelerator" in message
@@ -90,7 +90,7 @@ def test_gpu_ids_duplicates(devices):
         parse_gpu_ids(devices, 4, "cuda")
 
 
-@pytest.mark.parametrize("devices, missing", [(3, [2]), ([0, 5], [5]), ("1,2", [2]), ("4", [2, 3])])
+@pytest.mark.parametrize(("devices", "missing"), [(3, [2]), ([0, 5], [5]), ("1,2", [2]), ("4", [2, 3])])
 def test_gpu_ids_out_of_range(devices, missing):
     with pytest.raises(RuntimeError) as info:
         parse_gpu_ids(devices, 2, "cuda")

@@ -84,7 +84,7 @@ def test_bf16_mixed_runs_matmuls_in_bfloat16():
     assert next(model.parameters()).dtype == torch.float32  # mixed: weights stay float32
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-true", torch.bfloat16), ("16-true", torch.float16)])
 def test_true_half_precisions_store_weights_in_half(precision, dtype):
     fabric = Fabric(accelerator="cuda", devices=1, precision=precision)
     with fabric.init_module():

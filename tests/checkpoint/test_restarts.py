@@ -162,7 +162,7 @@ def test_two_nodes_restart_together_and_the_job_resumes_exactly(tmp_path, uninte
     holds; the restart itself is what this test is about.
     """
     nodes = _two_nodes(["--max-restarts", 1], [JOB, tmp_path, "--die-rank", 3, "--die-at", DIE_AT, "--fixed-buckets"])
-    (code0, out0, err0), (code1, out1, err1) = finish(nodes, 300)
+    (code0, _out0, err0), (code1, _out1, err1) = finish(nodes, 300)
     assert (code0, code1) == (0, 0), f"node 0:\n{err0[-4000:]}\nnode 1:\n{err1[-4000:]}"
     assert "rank 3 was killed by SIGKILL" in err1, err1[-3000:]
     for err in (err0, err1):

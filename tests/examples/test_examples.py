@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import re
 import subprocess
@@ -54,7 +55,7 @@ def losses(result: subprocess.CompletedProcess) -> tuple[list[float], float]:
     values = [value for _, value in epochs]
     final = float(finals[0])
     assert all(math.isfinite(value) for value in values) and math.isfinite(final)
-    assert all(later < earlier for earlier, later in zip(values, values[1:])), f"loss does not decrease: {values}"
+    assert all(later < earlier for earlier, later in itertools.pairwise(values)), f"loss does not decrease: {values}"
     assert final == pytest.approx(values[-1], abs=1e-8)
     return values, final
 

@@ -21,8 +21,8 @@ from fabric.loggers import CSVLogger, Logger, TensorBoardLogger
 from fabric.loggers.logger import DEFAULT_NAME
 from fabric.utilities.rank_zero import rank_zero_only
 from support import PYTHON
-from support.processes import fabric_run, run
 from support.loading import script_path
+from support.processes import fabric_run, run
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
@@ -150,7 +150,7 @@ def test_csv_hyperparameters(tmp_path: Path) -> None:
     saved = json.loads((Path(logger.log_dir) / "hparams.json").read_text())
     assert saved == {"lr": 0.1, "layers": [64, 10], "optimizer": {"name": "adam", "betas": [0.9, 0.99]},
                      "scale": 2.0, "device": "cpu", "weights": [0, 1, 2]}
-    with pytest.raises(TypeError, match="dict or an argparse.Namespace"):
+    with pytest.raises(TypeError, match=r"dict or an argparse\.Namespace"):
         logger.log_hyperparams([("lr", 1)])
 
 
@@ -316,5 +316,5 @@ def test_fabric_logger_properties(tmp_path: Path) -> None:
     fabric = Fabric(accelerator="cpu", devices=1)
     assert fabric.loggers == []
     with pytest.raises(RuntimeError, match="no logger"):
-        fabric.logger
+        fabric.logger  # noqa: B018 - reading the property is what raises
     fabric.log("ignored", 1.0)  # no loggers: nothing happens

@@ -32,7 +32,7 @@ PARAM_DTYPE = {
 
 
 @pytest.mark.parametrize(
-    "given, expected",
+    ("given", "expected"),
     [
         (None, "32-true"),
         ("32-true", "32-true"),
@@ -62,7 +62,7 @@ def test_unknown_names(bad):
 
 
 @pytest.mark.parametrize(
-    "name, device, cls",
+    ("name", "device", "cls"),
     [
         ("32-true", "cpu", Precision),
         ("64-true", "cpu", DoublePrecision),
@@ -297,7 +297,7 @@ def scaled_setup(scaler):
 
 def test_scaler_scales_backward_and_steps_then_updates():
     scaler = RecordingScaler()
-    fabric, plugin, raw, fmodel, foptimizer = scaled_setup(scaler)
+    fabric, _plugin, raw, fmodel, foptimizer = scaled_setup(scaler)
     x = torch.randn(4, 3)
     with torch.autocast("cpu", dtype=torch.float16):
         raw_out = raw(x)
@@ -319,7 +319,7 @@ def test_scaler_scales_backward_and_steps_then_updates():
 
 def test_scaler_may_skip_a_step():
     scaler = RecordingScaler(skip_steps=True)
-    fabric, plugin, raw, fmodel, foptimizer = scaled_setup(scaler)
+    fabric, _plugin, _raw, fmodel, foptimizer = scaled_setup(scaler)
     fabric.backward(fmodel(torch.randn(2, 3)).sum())
     before = fmodel.weight.detach().clone()
     assert foptimizer.step() is None
@@ -329,7 +329,7 @@ def test_scaler_may_skip_a_step():
 
 def test_scaler_refuses_a_closure_and_round_trips_its_state():
     scaler = RecordingScaler()
-    fabric, plugin, raw, fmodel, foptimizer = scaled_setup(scaler)
+    _fabric, plugin, _raw, fmodel, foptimizer = scaled_setup(scaler)
     with pytest.raises(ValueError, match="cannot step with a closure"):
         foptimizer.step(lambda: fmodel(torch.ones(1, 3)).sum())
     assert plugin.state_dict() == {"scale": 4.0}

@@ -9,7 +9,6 @@ reduction on both halves. (No shrinking across processes: a failure names the ex
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import numpy as np
@@ -18,9 +17,9 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from support.scripts.ddp import checks
-from support.environment import isolate
 from fabric import Fabric
+from support.environment import isolate
+from support.scripts.ddp import checks
 
 NUM_EXAMPLES = 60
 

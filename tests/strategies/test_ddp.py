@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 
-from support.scripts.ddp import checks
-from support.environment import isolate, job_environment
-from support.scripts.ddp.harness import SCRIPTS, popen_results
 from fabric import Fabric
 from fabric.plugins.environments import LightningEnvironment
 from fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from fabric.strategies.launchers import MultiprocessingLauncher, RankFailedError, SubprocessScriptLauncher
+from support.environment import isolate, job_environment
+from support.scripts.ddp import checks
+from support.scripts.ddp.harness import SCRIPTS, popen_results
 
 JOB_TIMEOUT = 120
 

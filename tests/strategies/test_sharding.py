@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch import nn
 
-from support.environment import isolate, job_environment
-from support.loading import script_path
-from support.scripts.ddp.harness import JobFailed
 from fabric import Fabric
+from fabric.plugins.precision import precision_for
 from fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
 from fabric.strategies.fsdp import _selected, mixed_precision_policy
 from fabric.strategies.sharding import clip_grad_norm_over_shards
-from fabric.plugins.precision import precision_for
+from support.environment import isolate, job_environment
+from support.loading import script_path
+from support.scripts.ddp.harness import JobFailed
 
 SCRIPTS = script_path("sharding", "train_job.py").parent
 TOLERANCE = 1e-5
@@ -72,8 +72,8 @@ def test_model_parallel_arguments_are_checked():
         ModelParallelStrategy(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"tensor_parallel_size=0 is not valid; accepted: 'auto' or an int >= 1"):
         ModelParallelStrategy(lambda m, mesh: m, tensor_parallel_size=0)
-    with pytest.raises(RuntimeError, match="device_mesh exists only after Fabric.launch"):
-        ModelParallelStrategy(lambda m, mesh: m).device_mesh
+    with pytest.raises(RuntimeError, match=r"device_mesh exists only after Fabric\.launch"):
+        ModelParallelStrategy(lambda m, mesh: m).device_mesh  # noqa: B018 - reading the property is what raises
 
 
 def _tree() -> nn.Module:
@@ -210,7 +210,7 @@ def test_fsdp_training_equals_one_process_at_2(job2, check):
 
 @pytest.mark.timeout(480)
 def test_bf16_mixed_under_fsdp(job2):
-    for rank, results in _ranks(job2):
+    for _rank, results in _ranks(job2):
         measured = results["bf16_mixed"]
         assert measured["output_dtype"] == torch.float32 and measured["param_dtype"] == torch.float32
         assert measured["autocast_dtype"] == torch.bfloat16
@@ -221,7 +221,7 @@ def test_bf16_mixed_under_fsdp(job2):
 
 @pytest.mark.timeout(480)
 def test_wrongly_ordered_set_up_says_how_to_order_it(job2):
-    for rank, results in _ranks(job2):
+    for _rank, results in _ranks(job2):
         messages = results["misuse"]
         assert "before FSDPStrategy sharded it" in messages["optimizer_before_setup_module"]
         assert "Call setup_module(model) first" in messages["optimizer_before_setup_module"]
@@ -236,13 +236,13 @@ def test_fsdp_shards_parameters_at_2(job2):
 
 @pytest.mark.timeout(480)
 def test_collectives_under_fsdp(job2):
-    for rank, results in _ranks(job2):
+    for _rank, results in _ranks(job2):
         assert results["collectives"] == {"sum": 1.0, "gathered": [0, 1], "broadcast": {"from": 0}, "any_stop": True}
 
 
 @pytest.mark.timeout(480)
 def test_empty_init_never_allocates_the_full_model(job2):
-    for rank, results in _ranks(job2):
+    for _rank, results in _ranks(job2):
         measured = results["empty_init"]
         assert measured["on_meta"] and measured["finite"] and measured["replicas_agree"]
         assert measured["local_bytes"] <= measured["full_bytes"] / 2 * 1.01
@@ -262,7 +262,7 @@ def test_training_equals_one_process_at_4(job4, check):
 
 @pytest.mark.timeout(480)
 def test_tensor_parallel_mesh_and_empty_init_at_4(job4):
-    for rank, results in _ranks(job4):
+    for _rank, results in _ranks(job4):
         assert results["tp_mesh"] == {"shape": (2, 2), "names": ("data_parallel", "tensor_parallel")}
         measured = results["tp_empty_init"]
         assert measured["on_meta"] and measured["finite"] and measured["replicas_agree"], measured

@@ -6,15 +6,14 @@ shared with ``test_ddp.py``): each rank recorded the items its loaders yielded.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset, WeightedRandomSampler
 
-from support.scripts.ddp.checks import Reversed
-from support.scripts.ddp.harness import popen_results
 from fabric.utilities.data import DistributedSamplerWrapper, shard_dataloader
 from fabric.wrappers import FabricDataLoader
+from support.scripts.ddp.checks import Reversed
+from support.scripts.ddp.harness import popen_results
 
 JOB_TIMEOUT = 120
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fabric import Fabric, seed_everything
 import fabric.utilities.seed as seed_module
+from fabric import Fabric, seed_everything
 from fabric.utilities.seed import reset_seed, worker_init_function
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")

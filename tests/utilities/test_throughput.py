@@ -40,7 +40,7 @@ def test_one_device_has_no_job_totals_and_separator_is_used():
 def test_bad_updates_and_arguments_change_nothing():
     throughput = Throughput(window_size=2)
     throughput.update(time=1.0, batches=1, samples=1)
-    with pytest.raises(ValueError, match="larger than the one before: got 1.0 after 1.0"):
+    with pytest.raises(ValueError, match=r"larger than the one before: got 1\.0 after 1\.0"):
         throughput.update(time=1.0, batches=2, samples=2)
     with pytest.raises(ValueError, match="samples=1 must be >= batches=2"):
         throughput.update(time=2.0, batches=2, samples=1)

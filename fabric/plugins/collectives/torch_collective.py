@@ -66,7 +66,7 @@ class TorchCollective(Collective):
 
     @override
     def all_reduce(self, tensor: Tensor, op: Any = "sum") -> Tensor:
-        dist.all_reduce(tensor, op=self._convert_to_native_op(op), group=self.group)  # type: ignore[arg-type]
+        dist.all_reduce(tensor, op=self._convert_to_native_op(op), group=self.group)
         return tensor
 
     @override
@@ -76,7 +76,7 @@ class TorchCollective(Collective):
 
     @override
     def all_gather(self, tensor_list: list[Tensor], tensor: Tensor) -> list[Tensor]:
-        dist.all_gather(tensor_list, tensor, group=self.group)  # type: ignore[arg-type]
+        dist.all_gather(tensor_list, tensor, group=self.group)
         return tensor_list
 
     @override
@@ -91,12 +91,12 @@ class TorchCollective(Collective):
 
     @override
     def reduce_scatter(self, output: Tensor, input_list: list[Tensor], op: Any = "sum") -> Tensor:
-        dist.reduce_scatter(output, input_list, op=self._convert_to_native_op(op), group=self.group)  # type: ignore[arg-type]
+        dist.reduce_scatter(output, input_list, op=self._convert_to_native_op(op), group=self.group)
         return output
 
     @override
     def all_to_all(self, output_tensor_list: list[Tensor], input_tensor_list: list[Tensor]) -> list[Tensor]:
-        dist.all_to_all(output_tensor_list, input_tensor_list, group=self.group)  # type: ignore[arg-type]
+        dist.all_to_all(output_tensor_list, input_tensor_list, group=self.group)
         return output_tensor_list
 
     @override
@@ -121,7 +121,7 @@ class TorchCollective(Collective):
     # ---- object collectives (pickled) ----------------------------------------------------------------
 
     def all_gather_object(self, object_list: list[Any], obj: Any) -> list[Any]:
-        dist.all_gather_object(object_list, obj, group=self.group)  # type: ignore[arg-type]
+        dist.all_gather_object(object_list, obj, group=self.group)
         return object_list
 
     def broadcast_object_list(self, object_list: list[Any], src: int, device: Any = None) -> list[Any]:
@@ -193,14 +193,14 @@ class TorchCollective(Collective):
     @classmethod
     @override
     def new_group(cls, **kwargs: Any) -> CollectibleGroup:
-        return dist.new_group(**kwargs)  # type: ignore[return-value]
+        return dist.new_group(**kwargs)
 
     @classmethod
     @override
     def destroy_group(cls, group: CollectibleGroup) -> None:
         # a rank outside the group holds a placeholder that torch cannot destroy
-        if group in dist.distributed_c10d._world.pg_map:  # type: ignore[comparison-overlap]
-            dist.destroy_process_group(group)  # type: ignore[arg-type]
+        if group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
 
     @classmethod
     def _convert_to_native_op(cls, op: Any) -> Any:

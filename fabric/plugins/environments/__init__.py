@@ -19,9 +19,9 @@ from fabric.plugins.environments.torchelastic import TorchElasticEnvironment
 __all__ = [
     "ClusterEnvironment",
     "KubeflowEnvironment",
+    "LSFEnvironment",
     "LightningEnvironment",
     "LocalEnvironment",
-    "LSFEnvironment",
     "MPIEnvironment",
     "SLURMEnvironment",
     "TorchElasticEnvironment",

@@ -17,9 +17,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support import REPO
-from support.loading import script_path
-
 from fabric.plugins import environments as envs
 from fabric.plugins.environments import (
     ClusterEnvironment,
@@ -34,6 +31,8 @@ from fabric.plugins.environments import (
     find_free_port,
     parse_slurm_nodelist,
 )
+from support import REPO
+from support.loading import script_path
 
 REPO_ROOT = REPO
 
@@ -191,7 +190,7 @@ def run_fake_mpi_job(monkeypatch, mpi: FakeMPI, hosts: list[str]) -> list[dict]:
                 world_size=env.world_size(), global_rank=env.global_rank(), local_rank=env.local_rank(),
                 node_rank=env.node_rank(), main_address=env.main_address, main_port=env.main_port,
             )  # fmt: skip
-        except BaseException as err:  # noqa: BLE001 - reported to the main thread
+        except BaseException as err:  # reported to the main thread
             errors.append(err)
             world.barrier.abort()
 
@@ -425,7 +424,7 @@ def test_torchelastic_missing_master_addr(monkeypatch):
     set_env(monkeypatch, **TORCHELASTIC)
     monkeypatch.delenv("MASTER_ADDR")
     with pytest.raises(ValueError, match="MASTER_ADDR"):
-        TorchElasticEnvironment().main_address
+        TorchElasticEnvironment().main_address  # noqa: B018 - reading the property is what raises
 
 
 # ----------------------------------------------------------------------------------------
@@ -469,7 +468,7 @@ def test_slurm_requeue_settings_and_inconsistent_srun(monkeypatch):
     assert env.auto_requeue is False and env.requeue_signal == signal.SIGUSR2
     set_env(monkeypatch, **SLURM)
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE")  # `srun --ntasks=8` alone
-    with pytest.raises(RuntimeError, match="--ntasks=8.*--ntasks-per-node"):
+    with pytest.raises(RuntimeError, match=r"--ntasks=8.*--ntasks-per-node"):
         SLURMEnvironment()
     set_env(monkeypatch, SLURM_NTASKS="1")
     SLURMEnvironment()  # one task needs no per-node count
@@ -611,7 +610,7 @@ def test_lsf_errors(monkeypatch, lsf):
     with pytest.raises(ValueError, match="no compute hosts"):
         LSFEnvironment()
     set_env(monkeypatch, LSB_DJOB_RANKFILE=lsf.parent / "missing")
-    with pytest.raises(ValueError, match="LSB_DJOB_RANKFILE=.*missing"):
+    with pytest.raises(ValueError, match=r"LSB_DJOB_RANKFILE=.*missing"):
         LSFEnvironment()
     # as Lightning: a missing or empty rank file variable, or no job id, fail when the environment is made
     set_env(monkeypatch, LSB_DJOB_RANKFILE="")
@@ -795,7 +794,7 @@ def test_import_does_not_import_mpi4py(tmp_path):
 def test_malformed_values_raise_value_error(monkeypatch, env_cls, base, var, bad, call):
     set_env(monkeypatch, **base)
     set_env(monkeypatch, **{var: bad})
-    with pytest.raises(ValueError) as excinfo:
+    with pytest.raises(ValueError, match=var) as excinfo:
         call(env_cls())
     assert var in str(excinfo.value)
     assert repr(bad) in str(excinfo.value)

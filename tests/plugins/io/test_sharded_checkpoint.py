@@ -179,7 +179,7 @@ def _kill_mid_write(tmp_path: Path, *mode: str) -> None:
         for proc in procs:
             proc.kill()
             proc.communicate(timeout=60)
-    assert [p for p in tmp_path.glob(".fabric-tmpdir-ckpt.*")], "the kill should have cut a save short"
+    assert list(tmp_path.glob(".fabric-tmpdir-ckpt.*")), "the kill should have cut a save short"
     model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
     state = {"model": model, "step": 0}
     load_sharded(tmp_path / "ckpt", state)  # the previous checkpoint, whole

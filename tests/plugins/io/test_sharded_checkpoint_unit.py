@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from fabric import Fabric
-from fabric.plugins.io import publish as atomic_folder
 from fabric.checkpoint.full_file import save_full
 from fabric.checkpoint.sharded_folder import OBJECTS_FILE, load_sharded, save_sharded
+from fabric.plugins.io import publish as atomic_folder
 from fabric.plugins.io.single_file import CheckpointLoadError
 
 
@@ -100,7 +100,7 @@ def test_index_with_pickled_code_is_refused(tmp_path):
 
 
 def test_objects_file_is_loaded_weights_only(tmp_path):
-    model, optimizer = model_and_optimizer(seed=1)
+    model, _optimizer = model_and_optimizer(seed=1)
     save_sharded(tmp_path / "ckpt", {"model": model, "extra": {"fn": "safe"}})
     objects = torch.load(tmp_path / "ckpt" / OBJECTS_FILE, weights_only=True)
     objects["skeleton"]["extra"] = {"fn": os.getcwd}  # a global that weights_only refuses
@@ -162,17 +162,17 @@ def test_async_save_publishes_in_the_background_and_waits_before_the_next(tmp_pa
 
 
 def test_async_save_error_surfaces_at_the_next_save(tmp_path):
-    model, optimizer = model_and_optimizer(seed=1)
+    model, _optimizer = model_and_optimizer(seed=1)
     # the objects file cannot be written (a lambda does not pickle): a failure in the background thread
     save_sharded(tmp_path / "bad", {"model": model, "hook": lambda: None}, async_save=True)
-    with pytest.raises(RuntimeError, match="background save of .*bad") as info:
+    with pytest.raises(RuntimeError, match=r"background save of .*bad") as info:
         save_sharded(tmp_path / "ok", {"model": model})
     assert "the previous one is kept" in str(info.value.__cause__)
     assert not (tmp_path / "bad").exists() and sorted(p.name for p in tmp_path.iterdir()) == []
     assert not (tmp_path / "ok").exists()  # the failed save is reported before the next one starts
     save_sharded(tmp_path / "ok", {"model": model})  # reported once; saving works again
     assert (tmp_path / "ok").is_dir()
-    with pytest.raises(OSError, match="Cannot save the sharded checkpoint .*File exists"):
+    with pytest.raises(OSError, match=r"Cannot save the sharded checkpoint .*File exists"):
         save_sharded(tmp_path / "ok" / OBJECTS_FILE / "ckpt", {"model": model})
 
 

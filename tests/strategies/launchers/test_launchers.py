@@ -22,19 +22,19 @@ import pytest
 if not sys.platform.startswith("linux"):
     pytest.skip("the launcher process tests inspect /proc", allow_module_level=True)
 
-from fabric.strategies.launchers import (  # noqa: E402
+from fabric.strategies.launchers import (
     Launcher,
     MultiprocessingLauncher,
     RankFailedError,
     SubprocessScriptLauncher,
 )
-from fabric.supervision.rank_side import label_lines  # noqa: E402
-from fabric.supervision.supervisor import describe_exit  # noqa: E402
-from support import REPO, TESTS  # noqa: E402
-from support.environment import clean_env, is_job_variable  # noqa: E402
-from support.loading import script_path  # noqa: E402
-from support.processes import alive  # noqa: E402
-from support.scripts.launchers.standin import StandInEnvironment, StandInStrategy  # noqa: E402
+from fabric.supervision.rank_side import label_lines
+from fabric.supervision.supervisor import describe_exit
+from support import REPO, TESTS
+from support.environment import clean_env, is_job_variable
+from support.loading import script_path
+from support.processes import alive
+from support.scripts.launchers.standin import StandInEnvironment, StandInStrategy
 
 # The promise under test: after any failure the whole job is gone within this many seconds.
 FAIL_FAST_S = 5.0
@@ -337,6 +337,7 @@ def test_popen_child_side_does_not_start_processes(clean_environ, monkeypatch):
 @pytest.mark.timeout(60)
 def test_spawn_returns_tensors_and_nested_structures(clean_environ):
     import torch
+
     from support.scripts.launchers import mp_funcs
 
     launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="spawn")
@@ -356,6 +357,7 @@ def test_spawn_returns_tensors_and_nested_structures(clean_environ):
 @pytest.mark.timeout(60)
 def test_fork_returns_a_cpu_tensor(clean_environ):
     import torch
+
     from support.scripts.launchers import mp_funcs
 
     launcher = MultiprocessingLauncher(StandInStrategy(2), start_method="fork")
@@ -431,7 +433,7 @@ def test_unpicklable_function_fails_before_starting_anything(clean_environ, star
 
 @pytest.mark.timeout(10)
 def test_bad_start_method():
-    with pytest.raises(ValueError, match="'bogus'.*'spawn', 'fork', 'forkserver'"):
+    with pytest.raises(ValueError, match=r"'bogus'.*'spawn', 'fork', 'forkserver'"):
         MultiprocessingLauncher(StandInStrategy(1), start_method="bogus")
 
 

@@ -19,9 +19,9 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-from fabric import Fabric  # noqa: E402
+from fabric import Fabric
 
 
 def payload(version: int, numel: int) -> dict:

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fabric.checkpoint.full_file import save_full
-from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
 from fabric.checkpoint.layout import optimizer_numbered
+from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
 from fabric.utilities.group_lifetime import (
     bind_default_arguments_before_the_group_exists,
     leave_process_group_at_exit,

@@ -4,14 +4,16 @@ import json
 import signal
 import sys
 
+# Behave as in a terminal even if started with SIGINT ignored; fabric is imported only after
+# use_bare_fabric_package(): hence the late imports (E402)
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-from ranks import parser, rank_body
-from standin import StandInStrategy, use_bare_fabric_package
+from ranks import parser, rank_body  # noqa: E402
+from standin import StandInStrategy, use_bare_fabric_package  # noqa: E402
 
 use_bare_fabric_package()
 
-from fabric.strategies.launchers import MultiprocessingLauncher, RankFailedError
+from fabric.strategies.launchers import MultiprocessingLauncher, RankFailedError  # noqa: E402
 
 
 def main() -> None:

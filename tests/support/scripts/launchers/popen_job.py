@@ -18,7 +18,7 @@ else:
 
 use_bare_fabric_package()
 
-from fabric.strategies.launchers import SubprocessScriptLauncher
+from fabric.strategies.launchers import SubprocessScriptLauncher  # noqa: E402 - only after use_bare_fabric_package()
 
 
 def main() -> None:

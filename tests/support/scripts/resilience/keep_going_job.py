@@ -104,7 +104,7 @@ def main() -> None:
 
     step, trained = state["step"], []
     for epoch in range(state["epoch"], EPOCHS):
-        for indices, x in loader:
+        for _indices, x in loader:
             if attempt == 0 and rank == args.die_rank and step == args.die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = (model(x).squeeze(1) - x.sum(1)).pow(2).mean()

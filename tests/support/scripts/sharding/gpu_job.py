@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import data, full_parameters, make_net, parallelize  # noqa: E402
+from model import data, full_parameters, make_net, parallelize
 
-from fabric import Fabric  # noqa: E402
-from fabric.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+from fabric import Fabric
+from fabric.strategies import FSDPStrategy, ModelParallelStrategy
 
 
 def run(strategy, precision, out: Path, name: str) -> None:

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import GLOBAL_BATCH, Block, data, full_parameters, make_net, max_difference, parallelize, reference_run  # noqa: E402
+from model import GLOBAL_BATCH, Block, data, full_parameters, make_net, max_difference, parallelize, reference_run
 
-from fabric import Fabric  # noqa: E402
-from fabric.strategies import FSDPStrategy, ModelParallelStrategy  # noqa: E402
+from fabric import Fabric
+from fabric.strategies import FSDPStrategy, ModelParallelStrategy
 
 STEPS = 10
 MAX_NORM = 0.5
