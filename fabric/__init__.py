@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from fabric._core.lazy import submodule
+
 __version__ = "0.1.0"
 __all__ = ["Fabric", "seed_everything"]
 
@@ -29,4 +31,4 @@ def __getattr__(name: str) -> Any:
         from fabric import fabric as _facade
 
         return getattr(_facade, name)
-    raise AttributeError(f"module 'fabric' has no attribute {name!r}")
+    return submodule(__name__, name)  # a submodule, e.g. fabric.loggers

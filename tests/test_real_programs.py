@@ -277,6 +277,21 @@ def test_names_lightning_programs_import() -> None:
         SingleDeviceCollective().group  # noqa: B018
 
 
+def test_submodules_are_reached_as_attributes_of_the_lazy_packages() -> None:
+    code = (
+        "import sys, fabric, fabric.utilities, fabric.strategies, fabric.plugins\n"
+        "assert 'torch.distributed.fsdp' not in sys.modules\n"
+        "print(fabric.utilities.types.Optimizable.__name__, fabric.strategies.fsdp.FSDPStrategy.__name__,"
+        " fabric.plugins.collectives.TorchCollective.__name__, fabric.loggers.CSVLogger.__name__)\n"
+        "try:\n    fabric.utilities.no_such_module\nexcept AttributeError as err:\n    print(err)\n"
+    )
+    result = run([PYTHON, "-c", code], timeout=60)
+    assert result.stdout.splitlines() == [
+        "Optimizable FSDPStrategy TorchCollective CSVLogger",
+        "module 'fabric.utilities' has no attribute 'no_such_module'",
+    ]
+
+
 def test_the_private_unwrap_lightnings_own_example_imports() -> None:
     from fabric.wrappers import _unwrap_objects
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from fabric._core.lazy import submodule
+
 if TYPE_CHECKING:
     from fabric.plugins.environments import ClusterEnvironment
     from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
@@ -38,4 +40,4 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name in _MODULES:
         return getattr(importlib.import_module(_MODULES[name]), name)
-    raise AttributeError(f"module 'fabric.plugins' has no attribute {name!r}")
+    return submodule(__name__, name)  # a submodule, e.g. fabric.plugins.collectives

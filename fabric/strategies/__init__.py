@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Literal
 
+from fabric._core.lazy import submodule
+
 StrategyLaunch = Literal["per_device", "one_per_node", "from_function", "horovodrun"]
 
 #: name -> ("module:Class", fixed constructor arguments, how its processes come to exist). The last field is
@@ -75,7 +77,7 @@ def strategy_class(name: str) -> tuple[type, dict[str, Any]]:
 def __getattr__(name: str) -> Any:
     if name in _CLASSES:
         return getattr(importlib.import_module(_CLASSES[name]), name)
-    raise AttributeError(f"module 'fabric.strategies' has no attribute {name!r}")
+    return submodule(__name__, name)  # a submodule, e.g. fabric.strategies.fsdp
 
 
 __all__ = ["STRATEGY_REGISTRY", "StrategyLaunch", "strategy_class", "strategy_launch", *_CLASSES]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from fabric._core.lazy import submodule
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_only, rank_zero_warn
 from fabric.utilities.seed import seed_everything
@@ -27,7 +28,7 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fabric.utilities' has no attribute {name!r}")
+    return submodule(__name__, name)  # a submodule, e.g. fabric.utilities.types
 
 
 __all__ = [
