@@ -80,15 +80,21 @@ def test_a_hook_on_the_users_module_runs_when_called_through_the_wrapper(kind):
         assert torch.equal(out, fmodel(x) + 1)
 
 
-def test_the_wrapped_modules_forward_is_called_directly_while_nothing_hooks_it(monkeypatch):
-    entered: list[nn.Module] = []
+@pytest.fixture
+def entered(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
+    """The modules whose nn.Module call machinery (``_call_impl``) runs during the test, in order."""
+    modules: list[nn.Module] = []
     call_impl = nn.Module._call_impl
 
     def counting_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        entered.append(self)
+        modules.append(self)
         return call_impl(self, *args, **kwargs)
 
     monkeypatch.setattr(nn.Module, "_call_impl", counting_call_impl)
+    return modules
+
+
+def test_the_wrapped_modules_forward_is_called_directly_while_nothing_hooks_it(entered):
     fabric = Fabric(accelerator="cpu", devices=1)
     model = nn.Linear(3, 2)
     fmodel = fabric.setup(model)
@@ -116,17 +122,9 @@ def test_a_hook_registry_the_check_does_not_know_makes_skipping_unsafe(monkeypat
     assert not module_call.skipping_is_safe()
 
 
-def test_when_skipping_is_unsafe_every_call_takes_nn_modules_path(monkeypatch):
+def test_when_skipping_is_unsafe_every_call_takes_nn_modules_path(monkeypatch, entered):
     import fabric.wrappers
 
-    entered: list[nn.Module] = []
-    call_impl = nn.Module._call_impl
-
-    def counting_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        entered.append(self)
-        return call_impl(self, *args, **kwargs)
-
-    monkeypatch.setattr(nn.Module, "_call_impl", counting_call_impl)
     monkeypatch.setattr(fabric.wrappers, "SKIPPING_IS_SAFE", False)
     model = nn.Linear(3, 2)
     fmodel = Fabric(accelerator="cpu", devices=1).setup(model)
