@@ -126,6 +126,10 @@ class FSDPStrategy(ShardedStrategy):
             for submodule in _selected(module, self._auto_wrap_policy, include_root=False):
                 fully_shard(submodule, **kwargs)  # children first: _selected walks bottom-up
         fully_shard(module, **kwargs)
+        if reduces_gradients_by_summing(torch.__version__, torch.distributed.get_backend()):
+            for submodule in module.modules():
+                if isinstance(submodule, FSDPModule):
+                    submodule.set_force_sum_reduction_for_comms(True)  # FSDP then divides by the world size itself
         return module
 
     def _offloads(self) -> bool:
@@ -233,3 +237,11 @@ def _is_fsdp1_policy(policy: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return "recurse" in parameters and "nonwrapped_numel" in parameters
+
+
+def reduces_gradients_by_summing(torch_version: str, backend: str) -> bool:
+    """Whether FSDP must be told to sum gradients and divide itself: gloo has no averaging reduce-scatter, and
+    before torch 2.9 ``fully_shard`` asked gloo for one anyway, which then summed (gradients N times too big).
+    """
+    major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    return backend == "gloo" and (major, minor) < (2, 9)

@@ -87,6 +87,8 @@ class ShardedStrategy(ProcessGroupStrategy):
         """With ``empty_init=True`` parameters go on the meta device: no memory until set-up shards them."""
         contexts: list[AbstractContextManager] = [self.precision.module_init_context()]
         if empty_init:
+            import torch._dynamo  # torch 2.8 imports it lazily, which fails on the meta device
+
             contexts.insert(0, torch.device("meta"))
         return _entered_together(contexts)
 

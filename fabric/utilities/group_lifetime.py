@@ -129,8 +129,15 @@ def leave_process_group_at_exit() -> None:
         pass
 
 
+_PROCESS_GROUP_THREAD_NAMES = ("pt_gloo", "pt_tcpstore")
+
+
 def _process_group_threads_alive() -> bool:
-    """Whether a gloo worker thread of this process still runs (Linux names them; elsewhere: assume so)."""
+    """Whether a thread of torch's process group (gloo's workers, the TCPStore's loop) still runs.
+
+    Linux names them ("pt_gloo...", "pt_tcpstore..."); elsewhere: assume so. On torch 2.9/2.10 an FSDP job's
+    store thread outlives the group by a moment, so it counts too.
+    """
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -138,7 +145,7 @@ def _process_group_threads_alive() -> bool:
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/comm") as comm:
-                if comm.read().startswith("pt_gloo"):
+                if comm.read().startswith(_PROCESS_GROUP_THREAD_NAMES):
                     return True
         except OSError:  # that thread ended meanwhile
             continue

@@ -6,10 +6,12 @@ one job per start method serves many tests here (starting processes is the expen
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -23,6 +25,7 @@ from fabric import Fabric
 from fabric.plugins.environments import LightningEnvironment
 from fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from fabric.strategies.launchers import MultiprocessingLauncher, RankFailedError, SubprocessScriptLauncher
+from fabric.utilities.group_lifetime import _process_group_threads_alive
 from support.environment import isolate, job_environment
 from support.scripts.ddp import checks
 from support.scripts.ddp.harness import SCRIPTS, popen_results
@@ -445,3 +448,25 @@ def test_no_gloo_thread_outlives_the_exit_hook_with_a_module_level_model(tmp_pat
         names = json.loads((tmp_path / f"threads{rank}.json").read_text())
         left = [name for name in names if "gloo" in name or "tcpstore" in name]
         assert not left, f"rank {rank}: threads of the process group still running at exit: {names}"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
+def test_a_running_store_thread_counts_as_a_process_group_thread():
+    """On torch 2.9/2.10 the TCPStore's loop ("pt_tcpstore_uv") outlives an FSDP group by a moment: the exit hook waits for it too."""
+    libc = ctypes.CDLL(None)
+    named, release = threading.Event(), threading.Event()
+
+    def store_loop() -> None:
+        libc.prctl(15, b"pt_tcpstore_uv", 0, 0, 0)  # PR_SET_NAME: what /proc/self/task/*/comm shows
+        named.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=store_loop, daemon=True)
+    thread.start()
+    try:
+        assert named.wait(10)
+        assert _process_group_threads_alive()
+    finally:
+        release.set()
+        thread.join(10)

@@ -18,7 +18,7 @@ from torch import nn
 from fabric import Fabric
 from fabric.plugins.precision import precision_for
 from fabric.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
-from fabric.strategies.fsdp import _selected, mixed_precision_policy
+from fabric.strategies.fsdp import _selected, mixed_precision_policy, reduces_gradients_by_summing
 from fabric.strategies.sharding import clip_grad_norm_over_shards
 from support.environment import isolate, job_environment
 from support.loading import script_path
@@ -306,3 +306,18 @@ def test_checkpoints_of_2_ranks_load_into_4(job4, check):
     """Shards written by 2 FSDP ranks into 4 FSDP ranks and into tensor parallel 2 x 2; the full file too."""
     for rank, results in _ranks(job4):
         assert results[check]["loaded_diff"] <= TOLERANCE and results[check]["resumed_diff"] <= TOLERANCE, (rank, results[check])
+
+
+@pytest.mark.parametrize(
+    ("version", "backend", "expected"),
+    [
+        ("2.8.0+cu128", "gloo", True),  # fully_shard asks gloo for an average, which sums
+        ("2.7.1", "gloo", True),
+        ("2.8.0", "nccl", False),  # NCCL averages
+        ("2.9.0", "gloo", False),  # fully_shard sums and divides itself on gloo from 2.9 on
+        ("2.10.0a0+git1234", "gloo", False),
+        ("2.13.0+cpu", "gloo", False),
+    ],
+)
+def test_fsdp_sums_gradients_itself_on_gloo_before_torch_2_9(version, backend, expected):
+    assert reduces_gradients_by_summing(version, backend) is expected
