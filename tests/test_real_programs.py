@@ -157,7 +157,8 @@ def test_a_mesh_that_does_not_fit_raises_value_and_runtime_error(tmp_path: Path)
     script = tmp_path / "mesh.py"
     script.write_text(code)
     result = run([PYTHON, str(script)], timeout=55)
-    assert result.stdout.startswith("True True"), result.stdout
+    ours = [line for line in result.stdout.splitlines() if not line.startswith("[Gloo]")]  # torch 2.8 prints gloo's log
+    assert ours and ours[0].startswith("True True"), result.stdout
 
 
 # ---- loggers ------------------------------------------------------------------------------------------

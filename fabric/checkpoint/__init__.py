@@ -2,8 +2,8 @@
 
 - ``stateful``: the named protocol (Stateful, with the optional "check before load" and "per-rank
   state" declarations) that every checkpoint entry follows;
-- ``state``: the walk that turns ``Fabric.save``'s state into a checkpoint and loads one back,
-  asking the strategy what a module or an optimizer becomes (sharded strategies extend those hooks);
+- ``state``: the walk that turns ``Fabric.save``'s state into a checkpoint, asking the strategy what a
+  module or an optimizer becomes; ``restore``: the one walk that loads a checkpoint back, in every format;
 - ``per_rank``: states that differ between ranks, gathered into the file rank 0 writes;
 - ``random_state`` and ``loader_progress``: the exact-resume state of a set-up dataloader.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from fabric.checkpoint.fit import CheckpointMismatchError, check_optimizer_state_fits, check_state_dict_fits
 from fabric.checkpoint.per_rank import PER_RANK_KEY, gather_per_rank_states, state_of_rank
 from fabric.checkpoint.random_state import capture_random_state, restore_random_state
-from fabric.checkpoint.state import collect_states, restore_states
+from fabric.checkpoint.state import collect_states
 from fabric.checkpoint.stateful import CheckedStateful, PerRankStateful, Stateful, checks_state, has_per_rank_state, is_stateful
 
 __all__ = [
@@ -33,6 +33,5 @@ __all__ = [
     "has_per_rank_state",
     "is_stateful",
     "restore_random_state",
-    "restore_states",
     "state_of_rank",
 ]

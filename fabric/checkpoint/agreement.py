@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Outcome", "broadcast_in_group", "on_rank_zero", "rank_in_group"]
+__all__ = ["Outcome", "agree_in_group", "broadcast_in_group", "on_every_rank", "on_rank_zero", "rank_in_group"]
 
 T = TypeVar("T")
 
@@ -37,11 +37,11 @@ class Outcome:
             error_type = RuntimeError
         return cls(None, error_type, f"{type(error).__name__}: {error}" if error_type is not type(error) else str(error))
 
-    def result(self) -> Any:
-        """The value, or the error rebuilt from rank 0's class and message."""
+    def result(self, origin: str = "Rank 0 failed to save the checkpoint") -> Any:
+        """The value, or the error rebuilt from the failed rank's class and message (after ``origin``)."""
         if self.error_type is None:
             return self.value
-        text = f"Rank 0 failed to save the checkpoint: {self.message}"
+        text = f"{origin}: {self.message}"
         try:
             error = self.error_type(text)
         except Exception:  # an exception class that takes other arguments: keep the message
@@ -61,6 +61,54 @@ def on_rank_zero(step: Callable[[], T], *, rank: int, broadcast: Callable[[Any],
     if error is not None:
         raise error
     return outcome.result()
+
+
+def on_every_rank(
+    step: Callable[[], T],
+    *,
+    failed_ranks: Callable[[bool], list[int]],
+    broadcast: Callable[[Any, int], Any],
+    what: str,
+) -> T:
+    """Run ``step`` on every rank; if it fails on any rank, raise on every rank. A collective.
+
+    ``failed_ranks(failed)`` gives every rank the list of ranks that failed, ``broadcast(obj, src)`` the
+    first failed rank's error. A failed rank raises its own error; the others an error of the same class
+    naming that rank and ``what`` it could not do, so that no rank goes on alone.
+    """
+    value: Any = None
+    error: BaseException | None = None
+    try:
+        value = step()
+    except Exception as err:
+        error = err
+    failed = failed_ranks(error is not None)
+    if not failed:
+        return value
+    outcome = broadcast(Outcome.of_error(error) if error is not None else Outcome(), failed[0])
+    if error is not None:
+        raise error
+    return outcome.result(f"Rank {failed[0]} could not {what}, so no rank changed anything")
+
+
+def agree_in_group(step: Callable[[], T], what: str, group: Any = None) -> T:
+    """:func:`on_every_rank` over torch.distributed's ``group`` (``step()`` alone without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return step()
+
+    def failed_ranks(failed: bool) -> list[int]:
+        flags: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(flags, failed, group=group)  # objects: the group's device is torch's business (NCCL)
+        return [rank for rank, flag in enumerate(flags) if flag]
+
+    def broadcast(obj: Any, src: int) -> Any:
+        holder = [obj]
+        dist.broadcast_object_list(holder, group=group, group_src=src)
+        return holder[0]
+
+    return on_every_rank(step, failed_ranks=failed_ranks, broadcast=broadcast, what=what)
 
 
 def broadcast_in_group(obj: Any, group: Any = None) -> Any:

@@ -9,6 +9,7 @@ written for what torch, Lightning or earlier versions of this package raised kee
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from torch import Tensor
@@ -26,6 +27,7 @@ __all__ = [
     "check_module_fits",
     "check_optimizer_fits",
     "check_optimizer_state_fits",
+    "check_optimizer_state_shapes",
     "check_state_dict_fits",
     "check_stateful_entry",
     "tensor_shapes",
@@ -89,6 +91,51 @@ def check_optimizer_state_fits(optimizer: Optimizer, state_dict: Any) -> None:
             f"The optimizer state does not fit {type(optimizer).__name__}: parameter group sizes {saved} in the"
             f" checkpoint, {current} in the optimizer"
         )
+    saved_state = state_dict.get("state")
+    if not isinstance(saved_state, dict):
+        return
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    numbers = [number for group in state_dict["param_groups"] for number in group["params"]]
+    for number, param in zip(numbers, params):
+        entry = saved_state.get(number)
+        if isinstance(entry, dict):
+            _check_state_tensors(f"parameter {number}", entry, optimizer.state.get(param), tuple(param.shape))
+
+
+#: Optimizer states of torch's optimizers that hold one value per element of their parameter.
+ELEMENTWISE_STATES = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta", "ax", "prev",
+     "step_size", "exp_inf", "grad_avg"}
+)
+
+
+def check_optimizer_state_shapes(key: str, saved_state: dict[Any, Any], current_state: dict[Any, Any]) -> None:
+    """Every saved per-parameter state tensor has the shape of the one the optimizer holds now (by name)."""
+    for name, entry in saved_state.items():
+        current = current_state.get(name)
+        if isinstance(entry, dict) and isinstance(current, dict):
+            try:
+                _check_state_tensors(f"parameter {name!r}", entry, current, None)
+            except CheckpointMismatchError as err:
+                raise CheckpointMismatchError(f"state[{key!r}]: {err}") from None
+
+
+def _check_state_tensors(what: str, saved: dict[str, Any], current: Any, param_shape: tuple[int, ...] | None) -> None:
+    """A saved state tensor must have the shape of the optimizer's own (if it has one yet), and an elementwise
+    state (``exp_avg``, ``momentum_buffer``, ...) the parameter's: else it loads and fails only at ``step()``."""
+    for name, value in saved.items():
+        if not isinstance(value, Tensor) or value.dim() == 0:
+            continue
+        own = current.get(name) if isinstance(current, dict) else None
+        if isinstance(own, Tensor) and own.dim() > 0:
+            expected: tuple[int, ...] | None = tuple(own.shape)
+        else:
+            expected = param_shape if name in ELEMENTWISE_STATES else None
+        if expected is not None and tuple(value.shape) != expected:
+            raise CheckpointMismatchError(
+                f"The optimizer state of {what} does not fit: {name!r} has shape {tuple(value.shape)} in the"
+                f" checkpoint, but {expected} here"
+            )
 
 
 def check_module_fits(what: str, target: dict[str, Any], saved_shapes: dict[str, tuple[int, ...] | None], strict: bool) -> None:
@@ -99,6 +146,12 @@ def check_module_fits(what: str, target: dict[str, Any], saved_shapes: dict[str,
     """
     missing = [name for name in target if name not in saved_shapes]
     unexpected = [name for name in saved_shapes if name not in target]
+    if not strict and target and saved_shapes and len(missing) == len(target):
+        warnings.warn(
+            f"load(strict=False): none of the checkpoint's keys for {what} matches the model's, so nothing is loaded"
+            f" into it (checkpoint: {_some(saved_shapes)}; model: {_some(target)})",
+            stacklevel=5,
+        )
     if strict and (missing or unexpected):
         raise CheckpointMismatchError(
             f"The checkpoint does not fit {what}: missing keys {missing}, unexpected keys {unexpected};"
@@ -121,6 +174,11 @@ def check_optimizer_fits(key: str, saved: dict[str, Any], target: dict[str, Any]
         raise CheckpointMismatchError(
             f"state[{key!r}]: the checkpoint's optimizer updates parameters {saved_groups}, this one {target_groups}"
         )
+
+
+def _some(names: Any, shown: int = 5) -> str:
+    names = list(names)
+    return ", ".join(map(repr, names[:shown])) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def tensor_shapes(entry: Any) -> dict[str, tuple[int, ...] | None]:

@@ -13,10 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch.nn import Module
+from torch.optim import Optimizer
+
 from fabric.checkpoint import fit, layout
-from fabric.checkpoint.agreement import broadcast_in_group, on_rank_zero, rank_in_group
+from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import wait_for_pending_save
-from fabric.checkpoint.layout import MODULE, OPTIMIZER
+from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
+from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import CheckpointIO, publish
 from fabric.plugins.io.publish import atomic_save
@@ -79,47 +83,67 @@ def load_full(
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Restore ``state`` from a full checkpoint file into objects of any layout; return the rest of the file."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    checkpoint = safe_load(path, map_location="cpu", weights_only=weights_only)
     if state is None:
-        return checkpoint
-    if not isinstance(checkpoint, dict):
-        raise TypeError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-    fit.check_entries_present(path, state, checkpoint, strict)
-    present = [key for key in state if key in checkpoint]
-    named: dict[str, Any] = {}
-    for key in present:  # every check first: a misfit changes nothing
-        obj, saved = state[key], checkpoint[key]
-        kind = layout.kind_of(obj)
-        if kind == MODULE:
-            current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
-            if not isinstance(saved, dict):
-                raise fit.CheckpointMismatchError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
-            fit.check_module_fits(f"the model in state[{key!r}]", current, fit.tensor_shapes(saved), strict)
-        elif kind == OPTIMIZER:
-            current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
-            named[key] = layout.optimizer_named(saved, current, key)
-            fit.check_optimizer_fits(key, named[key], current)
-        else:
-            fit.check_stateful_entry(key, obj, saved)
-    for key in present:
-        obj, saved = state[key], checkpoint.pop(key)
-        kind = layout.kind_of(obj)
-        if kind == MODULE:
-            set_model_state_dict(obj, saved, options=StateDictOptions(full_state_dict=True, strict=strict))
-        elif kind == OPTIMIZER:
-            owner = layout.owner_of(obj, state, key)
-            set_optimizer_state_dict(owner, obj, named[key], options=StateDictOptions(full_state_dict=True))
-            for group, saved_group in zip(obj.param_groups, named[key]["param_groups"]):
-                # torch's full-state path turns tuples (AdamW's betas) into lists: keep them as saved
-                group.update({name: value for name, value in saved_group.items() if name != "params"})
-        elif layout.is_stateful(obj):
-            obj.load_state_dict(saved)
-        else:
-            state[key] = saved
-    return checkpoint
+        return safe_load(path, map_location="cpu", weights_only=weights_only)
+    return restore(FullFile(path, state, weights_only), state, strict=strict, agree=agree_in_group)
+
+
+class FullFile:
+    """A full checkpoint file as an ``EntrySource``: whole tensors, handed to sharded objects (each rank
+    keeps its part) through torch's distributed state-dict API."""
+
+    def __init__(self, path: str | Path, state: dict[str, Any], weights_only: bool | None) -> None:
+        self.path = path
+        self._state = state
+        self._weights_only = weights_only
+        self._checkpoint: dict[str, Any] | None = None
+        self._named: dict[str, Any] = {}  # optimizer entries renamed after this job's parameter names
+
+    def keys(self) -> dict[str, Any]:
+        if self._checkpoint is None:
+            checkpoint = safe_load(self.path, map_location="cpu", weights_only=self._weights_only)
+            if not isinstance(checkpoint, dict):
+                raise TypeError(f"Checkpoint {str(self.path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
+            self._checkpoint = checkpoint
+        return self._checkpoint
+
+    def check(self, present: dict[str, Any], strict: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        checkpoint = self.keys()
+        for key, obj in present.items():
+            saved, kind = checkpoint[key], layout.kind_of(obj)
+            if kind == OTHER:
+                fit.check_stateful_entry(key, obj, saved)
+                continue
+            current = collect_states(layout.DistributedStateDicts(self._state, StateDictOptions()), self._state, keys=[key])[key]
+            if kind == MODULE:
+                if not isinstance(saved, dict):
+                    raise fit.CheckpointMismatchError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
+                fit.check_module_fits(f"the model in state[{key!r}]", current, fit.tensor_shapes(saved), strict)
+            else:
+                self._named[key] = layout.optimizer_named(saved, current, key)
+                fit.check_optimizer_fits(key, self._named[key], current)
+                fit.check_optimizer_state_shapes(key, self._named[key]["state"], current["state"])
+
+    def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The file is read whole by :meth:`keys` (its CRCs checked): nothing more to read."""
+        rest = dict(self.keys())
+        values = {key: self._named.get(key, rest[key]) for key in present}
+        for key in present:
+            del rest[key]
+        return values, rest
+
+    def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(module, value, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+    def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        owner = layout.owner_of(optimizer, self._state, key)
+        set_optimizer_state_dict(owner, optimizer, value, options=StateDictOptions(full_state_dict=True))
+        for group, saved_group in zip(optimizer.param_groups, value["param_groups"]):
+            # torch's full-state path turns tuples (AdamW's betas) into lists: keep them as saved
+            group.update({name: item for name, item in saved_group.items() if name != "params"})

@@ -15,24 +15,31 @@ The strategy is reached only through :class:`CheckpointHost`, so nothing here im
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.agreement import on_rank_zero
+from fabric.checkpoint.agreement import on_every_rank, on_rank_zero
 from fabric.checkpoint.async_save import save_in_background, wait_for_pending_save
 from fabric.checkpoint.per_rank import gather_per_rank_states
-from fabric.checkpoint.state import StateDictHooks, StateFilter, collect_states, restore_states
+from fabric.checkpoint.restore import restore
+from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from fabric.plugins.io.publish import is_sharded_checkpoint
+from fabric.plugins.io.single_file import CheckpointLoadError
 
 __all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]
 
 #: How a strategy's checkpoints are written (``Strategy.checkpoint_format``).
 CheckpointFormat = Literal["file", "sharded", "full"]
+
+T = TypeVar("T")
 
 
 class CheckpointHost(StateDictHooks, Protocol):
@@ -126,17 +133,47 @@ def load(
                 " rather than load_raw()"
             )
         return load_sharded(path, state, strict=strict, weights_only=weights_only)
+    if Path(path).is_dir():
+        raise CheckpointLoadError(incomplete_folder(Path(path)))
     if host.checkpoint_format != "file" and isinstance(state, dict):
         from fabric.checkpoint.full_file import load_full  # full tensors into sharded objects
 
         return load_full(path, state, strict=strict, weights_only=weights_only)
-    checkpoint = host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     if state is None:
-        return checkpoint
-    if isinstance(state, Module):
-        host.load_module_state_dict(state, checkpoint, strict=strict)
+        return host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+    if isinstance(state, (Module, Optimizer)):  # load_raw: one object, checked before it changes
+        source = StateDictFile(host, lambda: {"raw": host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)}, path)
+        restore(source, {"raw": state}, strict=strict, agree=_alone)
         return {}
-    if isinstance(state, Optimizer):
-        host.load_optimizer_state_dict(state, checkpoint)
-        return {}
-    return restore_states(host, state, checkpoint, path, strict=strict)
+    read = partial(host.checkpoint_io.load_checkpoint, path, weights_only=weights_only)
+    return restore(StateDictFile(host, read, path), state, strict=strict, agree=partial(_agree_through, host))
+
+
+def incomplete_folder(folder: Path) -> str:
+    """Why ``folder`` (not a complete sharded checkpoint) cannot be loaded, naming what it lacks."""
+    from fabric.plugins.io.publish import INDEX_FILE
+
+    if not any(folder.iterdir()):
+        return f"Checkpoint path {str(folder)!r} is an empty folder, not a checkpoint"
+    lacking = [name for name in (INDEX_FILE, "fabric-objects.pt") if not (folder / name).is_file()]
+    return (
+        f"{str(folder)!r} is a folder but not a complete sharded checkpoint: it has no {' and no '.join(lacking)}"
+        " (a copy that stopped early, or files deleted since); load a complete checkpoint"
+    )
+
+
+def _alone(step: Callable[[], T], what: str) -> T:
+    """No agreement: ``load_raw`` may be called on one rank alone."""
+    return step()
+
+
+def _agree_through(host: CheckpointHost, step: Callable[[], T], what: str) -> T:
+    """:func:`agreement.on_every_rank` over the host's own collectives (torch.distributed or Horovod)."""
+    if host.world_size == 1:
+        return step()
+
+    def failed_ranks(failed: bool) -> list[int]:
+        flags = host.all_gather(torch.tensor([int(failed)]))
+        return [rank for rank, flag in enumerate(flags.reshape(-1).tolist()) if flag]
+
+    return on_every_rank(step, failed_ranks=failed_ranks, broadcast=lambda obj, src: host.broadcast(obj, src=src), what=what)

@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from fabric.checkpoint import fit, layout
-from fabric.checkpoint.agreement import broadcast_in_group, on_rank_zero, rank_in_group
+from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import (
     SaveHandle,
     background_group,
@@ -30,10 +32,11 @@ from fabric.checkpoint.async_save import (
     wait_for_pending_save,
 )
 from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
+from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import publish
 from fabric.plugins.io.publish import atomic_save
-from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
+from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, read_index
 from fabric.plugins.io.single_file import CheckpointLoadError, safe_load
 
 OBJECTS_FILE = "fabric-objects.pt"
@@ -110,8 +113,8 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
                 process_group=group,
                 no_dist=not _distributed(),
             )
-    except Exception as err:  # torch gathers every rank's failure; rank 0 reports it for all
-        shards_error = f"writing the shards failed: {type(err).__name__}: {err}"
+    except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
+        shards_error = f"writing the shards failed {first_failure(err)}"
 
     def commit() -> None:
         if shards_error is not None:
@@ -139,100 +142,117 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Restore ``state`` in place from a sharded folder or a full checkpoint file; return what was not asked for.
 
-    Works for any number of processes and any layout of the target objects. Everything is checked
-    before anything changes. Without ``state`` the whole checkpoint is returned with full tensors.
+    Works for any number of processes and any layout of the target objects. Everything is checked and
+    read (into new storage) on every rank before any rank changes anything (``restore``). Without
+    ``state`` the whole checkpoint is returned with full tensors.
     """
     wait_for_pending_save()
     if Path(path).is_file():
         from fabric.checkpoint.full_file import load_full
 
         return load_full(path, state, strict=strict, weights_only=weights_only)
-    folder = publish.resolve_for_load(path)
-    objects = read_objects(folder, weights_only)
-    index = read_index(folder)
     if state is None:
-        return read_full(folder, objects, index, keys=list(objects["skeleton"]))
+        folder = ShardedFolder(path, {}, weights_only)
+        return read_full(folder.folder, folder.objects, folder.index, keys=list(folder.keys()))
     if not isinstance(state, dict):
         raise TypeError(
             f"Loading the sharded checkpoint {str(path)!r} needs a dict of states such as"
             f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
         )
-    skeleton, kinds, paths = objects["skeleton"], objects["kinds"], objects["tensors"]
-    fit.check_entries_present(path, state, skeleton, strict)
-    present = {key: obj for key, obj in state.items() if key in skeleton}
-    targets = _check_and_prepare(present, state, kinds, skeleton, paths, index, strict)
-    destinations = {
-        flat: targets[path[0]][1][flat] for flat, path in paths.items() if path[0] in targets and flat in targets[path[0]][1]
-    }
-    _read_tensors(folder, destinations)
-    for key, obj in present.items():
-        if key in targets:
-            _apply(obj, state, key, layout.fill(skeleton[key], destinations, paths, key), strict)
-        elif layout.is_stateful(obj):
-            obj.load_state_dict(skeleton[key])
-        else:
-            state[key] = skeleton[key]
-    rest = [key for key in skeleton if key not in present]
-    return read_full(folder, objects, index, keys=rest)
+    return restore(ShardedFolder(path, state, weights_only), state, strict=strict, agree=agree_in_group)
 
 
-def _check_and_prepare(
-    present: dict[str, Any],
-    state: dict[str, Any],
-    kinds: dict[str, str],
-    skeleton: dict[str, Any],
-    paths: dict[str, Any],
-    index: Any,
-    strict: bool,
-) -> dict[str, tuple[dict[str, Any], dict[str, Tensor]]]:
-    """Per module/optimizer entry: (its current state dict, flat key -> tensor to load into); raises on misfit."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+class ShardedFolder:
+    """A folder of shards as an ``EntrySource``: checks from its index alone, reads into new storage of the
+    target's layout (any number of processes), hands the values to torch's distributed state-dict API."""
 
-    targets = {}
-    for key, obj in present.items():
-        kind, saved_kind = layout.kind_of(obj), kinds.get(key, OTHER)
-        if kind != saved_kind:
+    def __init__(self, path: str | Path, state: dict[str, Any], weights_only: bool | None) -> None:
+        self.path = path
+        self._state = state
+        self._weights_only = weights_only
+        self._opened: tuple[Path, dict[str, Any], Any] | None = None
+        self._targets: dict[str, dict[str, Tensor]] = {}
+
+    def _open(self) -> tuple[Path, dict[str, Any], Any]:
+        if self._opened is None:
+            folder = publish.resolve_for_load(self.path)
+            objects = read_objects(folder, self._weights_only)
+            index = read_index(folder)
+            check_data_files(folder, index)
+            self._opened = (folder, objects, index)
+        return self._opened
+
+    @property
+    def folder(self) -> Path:
+        return self._open()[0]
+
+    @property
+    def objects(self) -> dict[str, Any]:
+        return self._open()[1]
+
+    @property
+    def index(self) -> Any:
+        return self._open()[2]
+
+    def keys(self) -> list[str]:
+        return list(self.objects["skeleton"])
+
+    def check(self, present: dict[str, Any], strict: bool) -> None:
+        """Check each entry against the index; remember, per module/optimizer, the tensors to read."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        skeleton, kinds, paths, index = self.objects["skeleton"], self.objects["kinds"], self.objects["tensors"], self.index
+        for key, obj in present.items():
+            kind, saved_kind = layout.kind_of(obj), kinds.get(key, OTHER)
             fit.check_kind(key, kind, saved_kind)
-        if kind == OTHER:
-            fit.check_stateful_entry(key, obj, skeleton[key])
-            continue
-        current = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, keys=[key])[key]
-        own = {flat: path for flat, path in paths.items() if path[0] == key}
-        if kind == MODULE:
-            saved_shapes: dict[str, Any] = dict.fromkeys(skeleton[key])
+            if kind == OTHER:
+                fit.check_stateful_entry(key, obj, skeleton[key])
+                continue
+            current = collect_states(layout.DistributedStateDicts(self._state, StateDictOptions()), self._state, keys=[key])[key]
+            own = {flat: path for flat, path in paths.items() if path[0] == key}
+            if kind == MODULE:
+                saved_shapes: dict[str, Any] = dict.fromkeys(skeleton[key])
+                for flat, path in own.items():
+                    saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
+                fit.check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)
+            else:
+                fit.check_optimizer_fits(key, skeleton[key], current)
+            _, current_tensors, current_paths = layout.split_tensors({key: current}, {key: kind})
+            by_path = {path: flat for flat, path in current_paths.items()}
+            into = {}
             for flat, path in own.items():
-                saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
-            fit.check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)
-        else:
-            fit.check_optimizer_fits(key, skeleton[key], current)
-        _, current_tensors, current_paths = layout.split_tensors({key: current}, {key: kind})
-        by_path = {path: flat for flat, path in current_paths.items()}
-        into = {}
-        for flat, path in own.items():
-            if path in by_path:
-                target = current_tensors[by_path[path]]
-                saved = index.state_dict_metadata[flat]
-                if tuple(saved.size) != tuple(target.shape):
-                    raise fit.CheckpointMismatchError(
-                        f"state[{key!r}]: {'/'.join(map(str, path[1:]))!r} has shape {tuple(saved.size)} in the"
-                        f" checkpoint but {tuple(target.shape)} here"
-                    )
-                into[flat] = target
-        targets[key] = (current, into)
-    return targets
+                if path in by_path:
+                    target = current_tensors[by_path[path]]
+                    saved = tuple(index.state_dict_metadata[flat].size)
+                    if saved != tuple(target.shape):
+                        raise fit.CheckpointMismatchError(
+                            f"state[{key!r}]: {'/'.join(map(str, path[1:]))!r} has shape {saved} in the"
+                            f" checkpoint but {tuple(target.shape)} here"
+                        )
+                    into[flat] = target
+            self._targets[key] = into
 
+    def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Every entry's tensors read into new storage shaped like their targets (so a failed read changes
+        nothing), then the rest of the checkpoint with full tensors."""
+        skeleton, paths = self.objects["skeleton"], self.objects["tensors"]
+        staged = {flat: torch.empty_like(target) for into in self._targets.values() for flat, target in into.items()}
+        _read_tensors(self.folder, staged)
+        values = {
+            key: layout.fill(skeleton[key], staged, paths, key) if key in self._targets else skeleton[key] for key in present
+        }
+        rest = [key for key in skeleton if key not in present]
+        return values, read_full(self.folder, self.objects, self.index, keys=rest)
 
-def _apply(obj: Any, state: dict[str, Any], key: str, value: Any, strict: bool) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if layout.kind_of(obj) == MODULE:
-        set_model_state_dict(obj, value, options=StateDictOptions(strict=strict))
-    else:
-        set_optimizer_state_dict(layout.owner_of(obj, state, key), obj, value, options=StateDictOptions())
+        set_model_state_dict(module, value, options=StateDictOptions(strict=strict))
+
+    def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(layout.owner_of(optimizer, self._state, key), optimizer, value, options=StateDictOptions())
 
 
 def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False) -> None:
@@ -241,8 +261,23 @@ def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = Fa
 
     if not destinations:
         return
-    with _quiet_single_process():
-        dcp.load(destinations, storage_reader=SafeFileSystemReader(folder), no_dist=full or not _distributed())
+    try:
+        with _quiet_single_process():
+            dcp.load(destinations, storage_reader=SafeFileSystemReader(folder), no_dist=full or not _distributed())
+    except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
+        raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
+
+
+def first_failure(err: BaseException) -> str:
+    """The first rank's own error inside torch's ``CheckpointException`` (which lists every rank's trace), in one line."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        return f"on rank {rank}: {type(inner).__name__}: {text}"
+    return f"{type(err).__name__}: {err}"
 
 
 def read_objects(folder: Path, weights_only: bool | None = None) -> dict[str, Any]:

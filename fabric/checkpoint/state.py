@@ -1,8 +1,8 @@
 """Turning the ``state`` dict of ``Fabric.save``/``Fabric.load`` into a checkpoint and back.
 
-The walk over the entries lives here, once; what a module or an optimizer becomes is asked of the
-strategy (``get_module_state_dict``, ``load_optimizer_state_dict``, ...), so a sharded strategy changes
-only those hooks. Loading checks every entry first and changes objects only when all of them fit.
+The save walk over the entries lives here, once; what a module or an optimizer becomes is asked of the
+strategy (``get_module_state_dict``, ``load_optimizer_state_dict``, ...). Loading goes through the one
+walk of ``restore``, for which :class:`StateDictFile` reads a file of plain state dicts.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from typing import Any, Protocol
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.fit import check_entries_present, check_entry
+from fabric.checkpoint.fit import check_entry
 from fabric.checkpoint.stateful import is_stateful
 
 __all__ = [
+    "StateDictFile",
     "StateDictHooks",
     "StateDictSource",
     "check_filter",
     "collect_states",
     "filtered",
-    "restore_states",
 ]
 
 StateFilter = dict[str, Callable[[str, Any], bool]]
@@ -91,29 +91,36 @@ def check_filter(filter: Any, state: dict[str, Any]) -> None:
             raise TypeError(f"save(filter={{{key!r}: ...}}) must map to a callable (name, value) -> bool, got {predicate!r}")
 
 
-def restore_states(
-    strategy: StateDictHooks, state: dict[str, Any], checkpoint: Any, path: str | os.PathLike, strict: bool = True
-) -> dict[str, Any]:
-    """Load ``checkpoint``'s entries (read from ``path``) into the objects of ``state``; return the rest.
+class StateDictFile:
+    """A checkpoint of plain state dicts, read whole by a CheckpointIO, as an ``EntrySource``: the strategy's
+    hooks load each module and optimizer entry (DDP into its wrapped module, Horovod into its optimizer)."""
 
-    Plain values of ``state`` are replaced by the saved ones. Every entry is checked before any is
-    loaded, so a mismatch leaves every object as it was.
-    """
-    if not isinstance(checkpoint, dict):
-        raise TypeError(f"Checkpoint {str(path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-    check_entries_present(path, state, checkpoint, strict)
-    present = {key: obj for key, obj in state.items() if key in checkpoint}
-    for key, obj in present.items():
-        check_entry(key, obj, checkpoint[key], strict)
-    remainder = dict(checkpoint)
-    for key, obj in present.items():
-        value = remainder.pop(key)
-        if isinstance(obj, Module):
-            strategy.load_module_state_dict(obj, value, strict=strict)
-        elif isinstance(obj, Optimizer):
-            strategy.load_optimizer_state_dict(obj, value)
-        elif is_stateful(obj):
-            obj.load_state_dict(value)
-        else:
-            state[key] = value
-    return remainder
+    def __init__(self, strategy: StateDictHooks, read: Callable[[], Any], path: str | os.PathLike) -> None:
+        self.path = path
+        self._strategy = strategy
+        self._read_file = read
+        self._checkpoint: dict[str, Any] | None = None
+
+    def keys(self) -> dict[str, Any]:
+        if self._checkpoint is None:
+            checkpoint = self._read_file()
+            if not isinstance(checkpoint, dict):
+                raise TypeError(f"Checkpoint {str(self.path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
+            self._checkpoint = checkpoint
+        return self._checkpoint
+
+    def check(self, present: dict[str, Any], strict: bool) -> None:
+        checkpoint = self.keys()
+        for key, obj in present.items():
+            check_entry(key, obj, checkpoint[key], strict)
+
+    def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The CheckpointIO read the file whole in :meth:`keys`: nothing more to read."""
+        rest = dict(self.keys())
+        return {key: rest.pop(key) for key in present}, rest
+
+    def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None:
+        self._strategy.load_module_state_dict(module, value, strict=strict)
+
+    def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None:
+        self._strategy.load_optimizer_state_dict(optimizer, value)

@@ -10,12 +10,15 @@ tensors are all this reader hands out.
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.futures import Future
 
+from fabric.plugins.io.integrity import verify_range
 from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError
 
@@ -47,16 +50,48 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose index is unpickled with an allow-list (see the module docstring)."""
+    """``FileSystemReader`` whose index is unpickled with an allow-list (see the module docstring), and which
+    checks the CRC-32 of every item it is about to read (``integrity``), naming the file and the entry."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_index(self.path, load_id=self.load_id)
 
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        checked = set()
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            where = (info.relative_path, info.offset)
+            if where in checked or info.transform_descriptors:  # a transformed (compressed) item is no archive
+                continue
+            checked.add(where)
+            verify_range(Path(self.path) / info.relative_path, info.offset, info.length, f"entry {item.storage_index.fqn!r}")
+        return super().read_data(plan, planner)
+
+
+def check_data_files(folder: Path, metadata: Metadata) -> None:
+    """Every data file the index names exists and holds the byte ranges the index gives it: checked from
+    file sizes alone, before any data is read."""
+    needed: dict[str, tuple[int, str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        end = info.offset + info.length
+        if end > needed.get(info.relative_path, (-1, ""))[0]:
+            needed[info.relative_path] = (end, index.fqn)
+    for name, (end, entry) in sorted(needed.items()):
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointLoadError(
+                f"Checkpoint {str(folder)!r} is incomplete: its data file {name!r} (holding {entry!r} among others) is missing"
+            ) from None
+        if size < end:
+            raise CheckpointLoadError(
+                f"Checkpoint {str(folder)!r} is damaged: {name!r} has {size} bytes, but the index places data up to"
+                f" byte {end} there (entry {entry!r}): the file was truncated"
+            )
+
 
 def read_index(folder: Any, load_id: str | None = None) -> Metadata:
     """The ``.metadata`` index of a checkpoint folder: names, global shapes and dtypes of every tensor."""
-    from pathlib import Path
-
     path = Path(folder) / METADATA_FILE
     try:
         with open(path, "rb") as file:

@@ -1,0 +1,91 @@
+"""Loading a checkpoint into the objects of ``state``: the one walk of every format.
+
+It goes in three steps, and the first two change nothing the user holds:
+
+1. check: the checkpoint's index (or file) is read, every key of ``state`` is present (unless
+   ``strict=False``), and the format checks each entry against its object (keys, shapes, kinds, optimizer
+   groups and state shapes: ``fit``), from the index alone where it has one;
+2. read: the data of every entry is read into new storage, and its checksums are verified;
+3. apply: the read values go into their objects (modules, optimizers, Stateful objects) and replace plain
+   values, and the rest of the checkpoint is returned.
+
+After steps 1 and 2 the ranks agree (``agree``): if one rank failed, every rank raises and no rank
+changes anything, so a damaged or mismatched checkpoint never leaves replicas that differ. A format
+(single file, gathered full file, folder of shards) supplies the steps as an :class:`EntrySource`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Collection
+from typing import Any, Protocol, TypeVar
+
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from fabric.checkpoint.fit import check_entries_present
+from fabric.checkpoint.stateful import is_stateful
+
+__all__ = ["Agreement", "EntrySource", "restore"]
+
+T = TypeVar("T")
+
+class Agreement(Protocol):
+    """Runs ``step`` on every rank and raises on every rank if it failed on any (``agreement.on_every_rank``)."""
+
+    def __call__(self, step: Callable[[], T], what: str) -> T: ...
+
+
+class EntrySource(Protocol):
+    """One checkpoint, as the walk reads it: what it holds, its checks, its reads, and how values go in."""
+
+    @property
+    def path(self) -> str | os.PathLike: ...
+
+    def keys(self) -> Collection[str]:
+        """The checkpoint's top-level keys (reads the index, or the file)."""
+        ...
+
+    def check(self, present: dict[str, Any], strict: bool) -> None:
+        """Raise ``CheckpointMismatchError`` if an entry does not fit its object in ``present``; reads no tensor data."""
+        ...
+
+    def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the values for ``present``'s keys, in new storage; the rest of the checkpoint): changes no object."""
+        ...
+
+    def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None: ...
+
+    def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None: ...
+
+
+def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: Agreement) -> dict[str, Any]:
+    """Load ``source`` into the objects of ``state`` (plain values are replaced); return what else it held."""
+
+    def check() -> dict[str, Any]:
+        saved = source.keys()
+        check_entries_present(source.path, state, saved, strict)
+        present = {key: obj for key, obj in state.items() if key in saved}
+        source.check(present, strict)
+        return present
+
+    present = agree(check, f"load the checkpoint {str(source.path)!r}")
+    if state and not present:
+        warnings.warn(
+            f"load(strict=False) found none of the keys {sorted(state)} in {str(source.path)!r}, which holds"
+            f" {sorted(source.keys())}: nothing was loaded",
+            stacklevel=4,
+        )
+    values, rest = agree(lambda: source.read(present), f"read the checkpoint {str(source.path)!r}")
+    for key, obj in present.items():
+        value = values[key]
+        if isinstance(obj, Module):
+            source.load_module(key, obj, value, strict)
+        elif isinstance(obj, Optimizer):
+            source.load_optimizer(key, obj, value)
+        elif is_stateful(obj):
+            obj.load_state_dict(value)
+        else:
+            state[key] = value
+    return rest
