@@ -35,8 +35,9 @@ from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import publish
+from fabric.plugins.io.integrity import crc32
 from fabric.plugins.io.publish import atomic_save
-from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, read_index
+from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, check_index_crc, read_index
 from fabric.plugins.io.single_file import CheckpointLoadError, safe_load
 
 OBJECTS_FILE = "fabric-objects.pt"
@@ -120,7 +121,10 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
         if shards_error is not None:
             raise RuntimeError(f"{failed} {shards_error}")
         try:
-            atomic_save(objects, temp / OBJECTS_FILE)
+            # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
+            # CRCs) carries one for it
+            index_crc = crc32((temp / publish.INDEX_FILE).read_bytes())
+            atomic_save({**objects, "index_crc32": index_crc}, temp / OBJECTS_FILE)
             publish.commit_folder(temp, path, token)
         except Exception as err:
             raise RuntimeError(f"{failed} {type(err).__name__}: {err}") from err
@@ -177,6 +181,7 @@ class ShardedFolder:
         if self._opened is None:
             folder = publish.resolve_for_load(self.path)
             objects = read_objects(folder, self._weights_only)
+            check_index_crc(folder, objects.get("index_crc32"))
             index = read_index(folder)
             check_data_files(folder, index)
             self._opened = (folder, objects, index)

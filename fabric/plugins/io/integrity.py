@@ -28,7 +28,7 @@ try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
-__all__ = ["CorruptCheckpointError", "load_verified", "verify_file", "verify_range"]
+__all__ = ["CorruptCheckpointError", "crc32", "load_verified", "verify_file", "verify_range"]
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature ... file name length, extra field length
 _LOCAL_SIGNATURE = b"PK\x03\x04"

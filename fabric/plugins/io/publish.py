@@ -53,6 +53,7 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     """
     path = Path(path)
     _check_target(path)
+    _check_parents(path)
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_files(folder, path.name)
@@ -74,8 +75,31 @@ def atomic_save(obj: Any, path: str | Path) -> None:
             # the user knows the target, not our hidden temporary file: name the target
             raise OSError(write_error.errno, f"Could not save the checkpoint {str(path)!r}: {write_error.strerror}"
                           " (the previous file, if any, is unchanged)") from err
+        if _is_pickling_error(err):
+            raise TypeError(
+                f"Could not save the checkpoint {str(path)!r}: the state holds an object that cannot be saved ({err})."
+                " Save plain values, tensors and state_dict()s instead; the previous file, if any, is unchanged"
+            ) from err
         raise
     fsync_folder(folder)
+
+
+def _is_pickling_error(err: BaseException) -> bool:
+    """torch.save meeting an object pickle cannot handle (a lock, a lambda, an open file)."""
+    import pickle
+
+    return isinstance(err, pickle.PicklingError) or (isinstance(err, (TypeError, AttributeError)) and "pickle" in str(err))
+
+
+def _check_parents(path: Path) -> None:
+    """The nearest existing parent folder of ``path`` must be a folder: name the file in the way."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise FileExistsError(
+                    f"Cannot save the checkpoint {str(path)!r}: {str(parent)!r} is a file, not a folder; choose another path"
+                )
+            return
 
 
 def _check_target(path: Path) -> None:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.futures import Future
 
-from fabric.plugins.io.integrity import verify_range
+from fabric.plugins.io.integrity import crc32, verify_range
 from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError
 
@@ -66,6 +66,20 @@ class SafeFileSystemReader(FileSystemReader):
             checked.add(where)
             verify_range(Path(self.path) / info.relative_path, info.offset, info.length, f"entry {item.storage_index.fqn!r}")
         return super().read_data(plan, planner)
+
+
+def check_index_crc(folder: Path, expected: int | None) -> None:
+    """The index's bytes against the CRC-32 the objects file recorded (folders written before it was recorded: none)."""
+    if expected is None:
+        return
+    try:
+        actual = crc32((folder / METADATA_FILE).read_bytes())
+    except FileNotFoundError:
+        raise CheckpointLoadError(f"{str(folder)!r} is not a complete sharded checkpoint: it has no {METADATA_FILE} file") from None
+    if actual != expected:
+        raise CheckpointLoadError(
+            f"Checkpoint {str(folder)!r} is damaged: its index {METADATA_FILE!r} does not match the checksum written with it"
+        )
 
 
 def check_data_files(folder: Path, metadata: Metadata) -> None:

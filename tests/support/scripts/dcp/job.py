@@ -5,10 +5,13 @@ sharded (``OUT/sharded``), full (``OUT/full.pt``) and, for comparison, as one pr
 state (``OUT/reference-rank{R}.pt``).
 ``job.py OUT load SOURCE``: load SOURCE (folder or file) into a freshly built sharded model and
 optimizer, and write what the loaded objects hold, gathered (``OUT/loaded-{NAME}-rank{R}.pt``).
+``job.py OUT load_damaged SOURCE``: try to load a damaged SOURCE into a trained sharded model and write
+the error and whether this rank's shards stayed exactly as they were (``OUT/damaged-rank{R}.json``).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -48,6 +51,18 @@ def gathered(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     }
 
 
+def local_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Copies of this rank's own shards of every parameter and optimizer state tensor."""
+    shards = {name: param.to_local().detach().clone() for name, param in model.named_parameters()}
+    for number, (param, entry) in enumerate(optimizer.state.items()):
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                shards[f"state{number}.{name}"] = local.detach().clone()
+        assert param is not None
+    return shards
+
+
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     bind_default_arguments_before_the_group_exists()  # as fabric's strategies do: the group can be freed
@@ -74,6 +89,20 @@ def main() -> None:
         torch.save(result, out / f"loaded-{source.name}-rank{rank}.pt")
         if len(sys.argv) > 4:  # and save again from this layout
             save_sharded(out / sys.argv[4], {"model": model, "optimizer": optimizer, "step": state["step"]})
+    elif mode == "load_damaged":
+        model, optimizer = build(seed=2)
+        model(torch.randn(5, 6)).square().mean().backward()
+        optimizer.step()  # the optimizer has state to lose
+        before = local_shards(model, optimizer)
+        try:
+            load_sharded(Path(sys.argv[3]), {"model": model, "optimizer": optimizer})
+            error = None
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        after = local_shards(model, optimizer)
+        unchanged = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        report = {"error": error, "unchanged": unchanged, "tensors": len(before)}
+        (out / f"damaged-rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     leave_process_group_at_exit()  # as fabric's strategies do: the meshes let go of the group, gloo's threads end
 
