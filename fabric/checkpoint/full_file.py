@@ -20,7 +20,7 @@ from fabric.checkpoint import fit, layout
 from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import wait_for_pending_save
 from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
-from fabric.checkpoint.restore import restore
+from fabric.checkpoint.restore import WholeFile, restore
 from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import CheckpointIO, publish
 from fabric.plugins.io.publish import atomic_save
@@ -88,24 +88,14 @@ def load_full(
     return restore(FullFile(path, state, weights_only), state, strict=strict, agree=agree_in_group)
 
 
-class FullFile:
+class FullFile(WholeFile):
     """A full checkpoint file as an ``EntrySource``: whole tensors, handed to sharded objects (each rank
     keeps its part) through torch's distributed state-dict API."""
 
     def __init__(self, path: str | Path, state: dict[str, Any], weights_only: bool | None) -> None:
-        self.path = path
+        super().__init__(path, lambda: safe_load(path, map_location="cpu", weights_only=weights_only))
         self._state = state
-        self._weights_only = weights_only
-        self._checkpoint: dict[str, Any] | None = None
         self._named: dict[str, Any] = {}  # optimizer entries renamed after this job's parameter names
-
-    def keys(self) -> dict[str, Any]:
-        if self._checkpoint is None:
-            checkpoint = safe_load(self.path, map_location="cpu", weights_only=self._weights_only)
-            if not isinstance(checkpoint, dict):
-                raise TypeError(f"Checkpoint {str(self.path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-            self._checkpoint = checkpoint
-        return self._checkpoint
 
     def check(self, present: dict[str, Any], strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -127,12 +117,8 @@ class FullFile:
                 fit.check_optimizer_state_shapes(key, self._named[key]["state"], current["state"])
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The file is read whole by :meth:`keys` (its CRCs checked): nothing more to read."""
-        rest = dict(self.keys())
-        values = {key: self._named.get(key, rest[key]) for key in present}
-        for key in present:
-            del rest[key]
-        return values, rest
+        values, rest = super().read(present)
+        return {key: self._named.get(key, value) for key, value in values.items()}, rest
 
     def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from fabric.checkpoint.fit import check_entries_present
 from fabric.checkpoint.stateful import is_stateful
 
-__all__ = ["Agreement", "EntrySource", "restore"]
+__all__ = ["Agreement", "EntrySource", "WholeFile", "restore"]
 
 T = TypeVar("T")
 
@@ -58,6 +58,29 @@ class EntrySource(Protocol):
     def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None: ...
 
     def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None: ...
+
+
+class WholeFile:
+    """The part of an :class:`EntrySource` for a checkpoint read whole into memory by ``read_file`` (a single
+    file): its keys, and its values (already in new storage, their CRCs checked when it was read)."""
+
+    def __init__(self, path: str | os.PathLike, read_file: Callable[[], Any]) -> None:
+        self.path = path
+        self._read_file = read_file
+        self._checkpoint: dict[str, Any] | None = None
+
+    def keys(self) -> dict[str, Any]:
+        if self._checkpoint is None:
+            checkpoint = self._read_file()
+            if not isinstance(checkpoint, dict):
+                raise TypeError(f"Checkpoint {str(self.path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
+            self._checkpoint = checkpoint
+        return self._checkpoint
+
+    def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Nothing more to read: the values of ``present``'s keys, and the rest."""
+        rest = dict(self.keys())
+        return {key: rest.pop(key) for key in present}, rest
 
 
 def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: Agreement) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.checkpoint.fit import check_entry
+from fabric.checkpoint.restore import WholeFile
 from fabric.checkpoint.stateful import is_stateful
 
 __all__ = [
@@ -91,33 +92,18 @@ def check_filter(filter: Any, state: dict[str, Any]) -> None:
             raise TypeError(f"save(filter={{{key!r}: ...}}) must map to a callable (name, value) -> bool, got {predicate!r}")
 
 
-class StateDictFile:
+class StateDictFile(WholeFile):
     """A checkpoint of plain state dicts, read whole by a CheckpointIO, as an ``EntrySource``: the strategy's
     hooks load each module and optimizer entry (DDP into its wrapped module, Horovod into its optimizer)."""
 
     def __init__(self, strategy: StateDictHooks, read: Callable[[], Any], path: str | os.PathLike) -> None:
-        self.path = path
+        super().__init__(path, read)
         self._strategy = strategy
-        self._read_file = read
-        self._checkpoint: dict[str, Any] | None = None
-
-    def keys(self) -> dict[str, Any]:
-        if self._checkpoint is None:
-            checkpoint = self._read_file()
-            if not isinstance(checkpoint, dict):
-                raise TypeError(f"Checkpoint {str(self.path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
-            self._checkpoint = checkpoint
-        return self._checkpoint
 
     def check(self, present: dict[str, Any], strict: bool) -> None:
         checkpoint = self.keys()
         for key, obj in present.items():
             check_entry(key, obj, checkpoint[key], strict)
-
-    def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The CheckpointIO read the file whole in :meth:`keys`: nothing more to read."""
-        rest = dict(self.keys())
-        return {key: rest.pop(key) for key in present}, rest
 
     def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None:
         self._strategy.load_module_state_dict(module, value, strict=strict)

@@ -34,22 +34,23 @@ from support.environment import job_environment
 REFUSED = (CheckpointLoadError, CheckpointMismatchError)
 
 
-def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
+def stepped_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and an Adam optimizer that has stepped once (so it has state to lose)."""
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()
     return model, optimizer
+
+
+def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    return stepped_model(seed=0)
 
 
 def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.randn(4, 64)).sum().backward()
-    optimizer.step()
-    return model, optimizer
+    """Another model and optimizer of the same shapes, to load into."""
+    return stepped_model(seed=1)
 
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
