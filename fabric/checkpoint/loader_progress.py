@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
-from fabric.checkpoint.per_rank import is_per_rank_record, state_of_rank
+from fabric.checkpoint.per_rank import PER_RANK_KEY, is_per_rank_record, state_of_rank
 from fabric.checkpoint.random_state import capture_random_state, check_random_state, restore_random_state
+from fabric.checkpoint.resize import derived_seed, epoch_order, order_record, rank_share, seed_everything_derived
 from fabric.utilities.data import loader_arguments
+from fabric.utilities.exceptions import CheckpointMismatchError
+from fabric.utilities.seed import global_seed_from_environment
 
 __all__ = ["LoaderOwnState", "LoaderProgress", "SkipBatches", "loader_skipping"]
 
@@ -36,6 +39,7 @@ class LoaderProgress:
         self._epoch: int | None = None  # the epoch being iterated, None between epochs
         self._consumed = 0  # batches handed out in that epoch
         self._epoch_start: dict[str, Any] | None = None  # generator states from just before its iterator
+        self._start = 0  # samples of the epoch's order consumed before this iteration began (after a resize)
         self._resume: dict[str, Any] | None = None  # a loaded position, taken up by the next iteration
 
     def iterate(self) -> Iterator[Any]:
@@ -45,7 +49,12 @@ class LoaderProgress:
         self._num_iter_calls = epoch + 1
         _set_sampler_epoch(self._dataloader, epoch)
         self._epoch = epoch
-        if resume is not None and resume["batches_consumed"] > 0:
+        self._start = 0
+        if resume is not None and "share" in resume:  # another layout of ranks: this rank's share of the rest
+            self._consumed, self._start = 0, resume["start"]
+            self._epoch_start = _generator_states(self._dataloader)
+            iterator = iter(_loader_over(self._dataloader, resume["share"]))
+        elif resume is not None and resume["batches_consumed"] > 0:
             self._consumed = resume["batches_consumed"]
             self._epoch_start = resume["epoch_start"]
             iterator = _resumed_iterator(self._dataloader, self._consumed, self._epoch_start)
@@ -61,20 +70,28 @@ class LoaderProgress:
     def state_dict(self) -> dict[str, Any]:
         """This rank's position in the data and random generator states."""
         if self._epoch is not None:  # inside an epoch (saved after a step, as a loop does)
-            position = {"epoch": self._epoch, "batches_consumed": self._consumed, "epoch_start": self._epoch_start}
+            position = {"epoch": self._epoch, "batches_consumed": self._consumed, "epoch_start": self._epoch_start, "start": self._start}
+        elif self._resume is not None and "share" in self._resume:  # loaded after a resize, not iterated yet
+            position = {"epoch": self._resume["epoch"], "batches_consumed": 0, "epoch_start": None, "start": self._resume["start"]}
         elif self._resume is not None:  # loaded, not iterated yet: the loaded position still holds
             position = dict(self._resume)
         else:
-            position = {"epoch": self._num_iter_calls, "batches_consumed": 0, "epoch_start": None}
+            position = {"epoch": self._num_iter_calls, "batches_consumed": 0, "epoch_start": None, "start": 0}
         return {
             **position,
             "random_state": capture_random_state(),
             "generators": [generator.get_state() for generator in _loader_generators(self._dataloader)],
+            "order": _order_of(self._dataloader),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the random generators now; the next iteration resumes at the saved position."""
         state = self.check_state_dict(state_dict)
+        if "share" in state:  # resumed by another number of processes: derived random state (resize.py)
+            seed_everything_derived(state["seed"], _loader_generators(self._dataloader))
+            self._resume = {key: state[key] for key in ("epoch", "start", "share")}
+            self._epoch = None
+            return
         restore_random_state(state["random_state"])
         for generator, saved in zip(_loader_generators(self._dataloader), state["generators"]):
             generator.set_state(saved)
@@ -82,10 +99,49 @@ class LoaderProgress:
         self._epoch = None
 
     def check_state_dict(self, state_dict: Any) -> dict[str, Any]:
-        """This rank's entry of ``state_dict`` (one state or every rank's); ValueError if it does not fit."""
+        """This rank's entry of ``state_dict`` (one state or every rank's); ValueError if it does not fit.
+
+        A position saved by another number of processes, or inside an epoch that was itself resumed that
+        way, becomes this rank's share of the rest of the epoch (``resize``).
+        """
+        if is_per_rank_record(state_dict):
+            states = state_dict[PER_RANK_KEY]
+            if len(states) != self._world_size or any(isinstance(s, dict) and s.get("start", 0) for s in states):
+                return self._share_of_rest(states)
         state = state_of_rank(state_dict, self._rank, self._world_size, "dataloader")
         _check_loader_state(state, self._dataloader)
         return state
+
+    def _share_of_rest(self, states: list[Any]) -> dict[str, Any]:
+        """This rank's share of the rest of the saved epoch, and its derived seed (see ``resize``)."""
+        for state in states:
+            _check_loader_state(state, self._dataloader, generators=False)
+        saved, here = len(states), self._world_size
+        record, first = states[0].get("order"), states[0]
+        if record is None or any(state.get("order") != record for state in states):
+            raise CheckpointMismatchError(
+                f"The dataloader's position was saved by {saved} process(es) and this run has {here}: resuming on"
+                " another number of processes needs the position of a loader that setup_dataloaders gave a"
+                " DistributedSampler (saved by this version or later). Leave the dataloader out of the state you"
+                " load to start the epoch afresh"
+            )
+        length = len(self._dataloader.dataset)
+        if record["length"] != length:
+            raise CheckpointMismatchError(f"The dataloader's position is in a dataset of {record['length']} samples; this one has {length}")
+        consumed = {(state["epoch"], state["batches_consumed"]) for state in states}
+        if len(consumed) != 1:
+            raise CheckpointMismatchError(f"The saved ranks stand at different places of the data (epoch, batches): {sorted(consumed)}")
+        epoch, batches = consumed.pop()
+        order = epoch_order(record, epoch)
+        start = int(first.get("start", 0))
+        position = min(len(order), start + batches * record["batch_size"] * saved)
+        base = global_seed_from_environment()
+        return {
+            "epoch": epoch,
+            "start": position,
+            "share": rank_share(order[position:], here, self._rank, record["drop_last"]),
+            "seed": derived_seed(record["seed"] if base is None else base, epoch, position, self._rank),
+        }
 
 
 class LoaderOwnState:
@@ -242,7 +298,28 @@ def _resumed_iterator(dataloader: Any, skip: int, epoch_start: dict[str, Any]) -
     yield from iterator
 
 
-def _check_loader_state(state: Any, dataloader: Any) -> None:
+def _order_of(dataloader: Any) -> dict[str, Any] | None:
+    """What fixes the epoch's order of ``dataloader`` (``resize.order_record``) and its batching, or None."""
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if batch_sampler is None or not isinstance(getattr(batch_sampler, "batch_size", None), int):
+        return None
+    record = order_record(getattr(batch_sampler, "sampler", None))
+    if record is None:
+        return None
+    return {**record, "batch_size": batch_sampler.batch_size, "batch_drop_last": bool(batch_sampler.drop_last)}
+
+
+def _loader_over(dataloader: Any, indices: list[int]) -> Any:
+    """A DataLoader like ``dataloader`` that yields the samples ``indices``, in that order, batched alike."""
+    from torch.utils.data import DataLoader
+
+    batch_sampler = dataloader.batch_sampler
+    kwargs = loader_arguments(dataloader)
+    kwargs.update(batch_size=batch_sampler.batch_size, drop_last=batch_sampler.drop_last, sampler=indices)
+    return DataLoader(dataloader.dataset, **kwargs)
+
+
+def _check_loader_state(state: Any, dataloader: Any, generators: bool = True) -> None:
     if not isinstance(state, dict) or not set(_STATE_KEYS) <= set(state):
         keys = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(
@@ -260,6 +337,8 @@ def _check_loader_state(state: Any, dataloader: Any) -> None:
     ):
         raise ValueError("The saved dataloader state is mid-epoch but has no valid 'epoch_start' generator states")
     check_random_state(state["random_state"])
+    if not generators:
+        return
     expected = len(_loader_generators(dataloader))
     if len(state["generators"]) != expected:
         raise ValueError(

@@ -169,7 +169,7 @@ def test_a_flipped_bit_in_a_shard_is_refused_naming_the_file_and_entry(tmp_path)
 def test_a_changed_index_is_refused(tmp_path):
     folder, _ = saved_folder(tmp_path)
     flip(folder / ".metadata", (folder / ".metadata").stat().st_size // 2)
-    with pytest.raises(CheckpointLoadError, match="index '.metadata' does not match"):
+    with pytest.raises(CheckpointLoadError, match=r"index '\.metadata' does not match"):
         load_sharded(folder, {"model": fresh()[0]})
 
 
@@ -237,12 +237,15 @@ def test_random_damage_gives_a_clear_error_and_no_change_or_the_exact_values(pri
     model, optimizer = fresh()
     before = snapshot(model, optimizer)
     fabric = Fabric(accelerator="cpu", devices=1)
+    refusal: Exception | None = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fabric.load(target_path, {"model": model, "optimizer": optimizer})
     except REFUSED as err:
-        assert str(target_path) in str(err) or str(victim) in str(err) or victim.name in str(err), err
+        refusal = err
+    if refusal is not None:
+        assert str(target_path) in str(refusal) or victim.name in str(refusal), refusal
         assert same(before, snapshot(model, optimizer)), f"{victim.name} {damage}: refused, but the target changed"
         return
     assert same(pristine["saved"], snapshot(model, optimizer)), f"{victim.name} {damage} at {where}: loaded other values"  # type: ignore[arg-type]

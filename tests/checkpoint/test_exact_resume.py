@@ -200,7 +200,8 @@ def test_random_states_round_trip_through_a_safe_checkpoint(tmp_path):
     assert expected[:2] == again[:2] and torch.equal(expected[2], again[2])
 
 
-def test_a_checkpoint_from_another_number_of_processes_is_refused_and_changes_nothing(tmp_path):
+def test_a_position_that_cannot_be_resized_is_refused_and_changes_nothing(tmp_path):
+    """Saved by 2 processes from a loader without a DistributedSampler: its order cannot be split anew."""
     fabric = Fabric(accelerator="cpu", devices=1)
     loader = fabric.setup_dataloaders(DataLoader(list(range(8)), batch_size=2))
     model = fabric.setup(nn.Linear(2, 2))
@@ -208,7 +209,7 @@ def test_a_checkpoint_from_another_number_of_processes_is_refused_and_changes_no
     fabric.save(tmp_path / "two.pt", {"model": nn.Linear(2, 2), "loader": {PER_RANK_KEY: [one_rank, one_rank]}})
     torch.manual_seed(0)
     before, weight = torch.get_rng_state(), model.weight.detach().clone()
-    with pytest.raises(ValueError, match=r"state\['loader'\].*run with 2 process\(es\), this run has 1"):
+    with pytest.raises(ValueError, match=r"state\['loader'\].*saved by 2 process\(es\) and this run has 1: resuming on another"):
         fabric.load(tmp_path / "two.pt", {"model": model, "loader": loader})
     assert torch.equal(torch.get_rng_state(), before)
     assert torch.equal(model.weight, weight)  # checked before anything was loaded

@@ -94,7 +94,7 @@ def test_index_with_pickled_code_is_refused(tmp_path):
 
     with open(tmp_path / "ckpt" / ".metadata", "wb") as file:
         pickle.dump(Payload(), file)
-    with pytest.raises(CheckpointLoadError, match="index '.metadata' does not match the checksum"):
+    with pytest.raises(CheckpointLoadError, match=r"index '\.metadata' does not match the checksum"):
         load_sharded(tmp_path / "ckpt", {"model": model})  # the objects file's CRC of the index catches it first
     objects = torch.load(tmp_path / "ckpt" / OBJECTS_FILE, weights_only=True)
     del objects["index_crc32"]  # as in folders written before the CRC was kept, or by a thorough attacker
