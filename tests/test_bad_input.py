@@ -209,3 +209,24 @@ def test_load_into_a_model_of_another_shape(checkpoint):
     assert "(8, 4)" in message and "(16, 4)" in message
     assert_unchanged(model, optimizer, before)
     assert checkpoint.read_bytes() == data
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_collective_shapes_are_named_in_torch_debug_mode(tmp_path):
+    """Ranks that all_reduce tensors of different shapes: gloo aborts (nothing hangs); with
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, as the README says, the error names the collective and both shapes."""
+    import subprocess
+    import sys
+
+    from support.environment import job_environment
+
+    script = tmp_path / "mismatch.py"
+    script.write_text(
+        "import torch\nfrom fabric import Fabric\n"
+        "fabric = Fabric(accelerator='cpu', devices=2, strategy='ddp')\nfabric.launch()\n"
+        "fabric.all_reduce(torch.ones(3 if fabric.global_rank == 0 else 4))\n"
+    )
+    env = job_environment(TORCH_DISTRIBUTED_DEBUG="DETAIL")
+    result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert result.returncode != 0
+    assert "OpType=ALLREDUCE" in result.stderr and "Tensor shapes: 3vs 4" in result.stderr, result.stderr[-3000:]
