@@ -271,6 +271,46 @@ def test_a_failing_rank_ends_the_job_with_its_exit_status(tmp_path: Path) -> Non
     wait_dead([r["pid"] for r in read_ranks(tmp_path).values()], timeout=5)
 
 
+# A Fabric script whose rank 1 fails in the way named by argv[1]; rank 0 sleeps meanwhile (stopped by the job).
+_FAILING_RANK = """\
+import os, signal, sys, time
+from fabric import Fabric
+fabric = Fabric(accelerator="cpu")
+fabric.launch()
+if fabric.global_rank == 1:
+    how = sys.argv[1]
+    if how == "raise":
+        raise ValueError("boom from rank 1")
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("how", "status", "said"),
+    [
+        ("raise", 1, "rank 1 raised an exception (traceback above), pid"),
+        ("exit", 3, "rank 1 exited with code 3, pid"),
+        ("sigkill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL, pid"),
+    ],
+)
+def test_the_job_ends_with_the_failing_ranks_own_status_and_counts_the_others(
+    tmp_path: Path, how: str, status: int, said: str
+) -> None:
+    """A rank that raises makes the job exit 1, not the 143 of the SIGTERM that stopped it while it unwound;
+    the report counts the ranks stopped besides it (1 in a 2-rank job)."""
+    script = tmp_path / "fail.py"
+    script.write_text(_FAILING_RANK)
+    result = run(fabric_run("--devices", "2", script, how), timeout=50, check=False)
+    assert result.returncode == status, result.stderr
+    reports = [line for line in result.stderr.splitlines() if line.startswith("[fabric]")]
+    assert len(reports) == 1 and said in reports[0], result.stderr
+    assert reports[0].endswith("; stopping the other 1 rank(s) on this node"), result.stderr
+
+
 @pytest.mark.timeout(40)
 def test_waiting_for_a_slow_rank_costs_no_cpu(tmp_path: Path) -> None:
     """Rank 1 ends at once, rank 0 after 5 s: `fabric run` must sleep meanwhile, not spin."""
