@@ -1,7 +1,7 @@
 """Stress test for aborts at interpreter exit: many small four-rank gloo jobs, counted by how they ended.
 
 Each job is the multi-node test's job (tests/support/scripts/multinode/ddp_job.py: collectives, a few DDP
-steps, results written to JSON) started as two "nodes" of two ranks each with ``fabric run`` on
+steps, results written to JSON) started as two "nodes" of two ranks each with ``fabric-torch run`` on
 loopback, exactly as tests/test_multinode.py does. A job counts as clean when both nodes exit 0 and
 all four result files exist. Anything else is listed with the end of its stderr; an exit status of
 134 with "terminate called" in it is the abort this script was written to catch.

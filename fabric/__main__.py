@@ -1,4 +1,4 @@
-"""``python -m fabric run ...``: the same as the ``fabric`` command."""
+"""``python -m fabric run ...``: the same as the ``fabric-torch`` command (always this package's, whatever owns ``fabric``)."""
 
 from fabric.cli import main
 

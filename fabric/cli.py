@@ -1,4 +1,9 @@
-"""``fabric run``: start a script that builds a plain ``Fabric()`` on one or more devices and machines.
+"""``fabric-torch run``: start a script that builds a plain ``Fabric()`` on one or more devices and machines.
+
+The command is installed as ``fabric-torch`` (the distribution's name, which no other package uses) and as
+``fabric`` (the name Lightning Fabric users know, which Lightning's packages install too: whichever was
+installed last owns it), and runs as ``python -m fabric``; every message and doc shows ``fabric-torch``,
+and ``--help``/``--version`` say which package and which folder the command belongs to.
 
 The command-line options travel to the script through ``FABRIC_*`` environment variables, which the
 connector reads, so the script needs no flags of its own. One process is the script itself (this
@@ -40,12 +45,12 @@ from typing import TYPE_CHECKING, NoReturn
 
 from fabric._core.env import RUN_BY_CLI_ENV, fabric_variable, find_free_port, global_rank, rank_environment
 from fabric._core.threads import share_cores
-from fabric.run_options import DEFAULT_MAIN_PORT, PROG, RunConfig, build_run_parser, parse_run_args
+from fabric.run_options import DEFAULT_MAIN_PORT, DISTRIBUTION, PROG, RunConfig, build_run_parser, parse_run_args
 
 if TYPE_CHECKING:
     from fabric.supervision.node_rendezvous import NodeRendezvous
 
-__all__ = ["build_run_parser", "main", "run"]
+__all__ = ["about", "build_run_parser", "main", "program_name", "run"]
 
 # ---- what to start --------------------------------------------------------------------------------------
 
@@ -168,41 +173,63 @@ def run(config: RunConfig) -> int:
 
 # ---- entry point --------------------------------------------------------------------------------------
 
-_TOP_HELP = f"""\
-usage: {PROG} <command> [options]
+_TOP_HELP = """\
+usage: {prog} <command> [options]
 
-Fabric's command-line tool.
+{about}
 
 commands:
-  run          Run a script that uses Fabric on several devices or machines (`{PROG} run --help`).
-  consolidate  Turn a sharded checkpoint folder into one file (`{PROG} consolidate --help`).
+  run          Run a script that uses Fabric on several devices or machines (`{prog} run --help`).
+  consolidate  Turn a sharded checkpoint folder into one file (`{prog} consolidate --help`).
 
 options:
   -h, --help  show this help message and exit
-  --version   print the version and exit
+  --version   print the version (and where this package is) and exit
+
+This command is `{distribution}`, also `python -m fabric`. The package installs it as `fabric` too,
+but Lightning (`lightning`, `lightning-fabric`) installs a `fabric` command of its own, and whichever
+package was installed last owns that name: write `{distribution}` or `python -m fabric` in scripts.
 """
 
 
+def program_name(argv0: str) -> str:
+    """The command as the user called it, for usage lines: ``fabric-torch``, ``fabric`` or ``python -m fabric``."""
+    name = os.path.basename(argv0)
+    if name == "__main__.py" and os.path.dirname(os.path.abspath(argv0)) == os.path.dirname(os.path.abspath(__file__)):
+        return "python -m fabric"  # this package's __main__.py (python -m sets argv[0] to its path)
+    for command in (DISTRIBUTION, "fabric"):
+        if name in (command, f"{command}.exe", f"{command}-script.py"):
+            return command
+    return PROG
+
+
+def about() -> str:
+    """Which package this command belongs to: ``fabric-torch 0.1.0 (the fabric package at /path/fabric)``."""
+    import fabric
+
+    return f"{DISTRIBUTION} {fabric.__version__} (the fabric package at {os.path.dirname(os.path.abspath(fabric.__file__))})"
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """Entry point of the ``fabric`` command and ``python -m fabric``."""
+    """Entry point of the ``fabric-torch`` (and ``fabric``) command and of ``python -m fabric``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    prog = program_name(sys.argv[0] if sys.argv else "")
     if not args or args[0] in ("-h", "--help"):
-        sys.stdout.write(_TOP_HELP)
+        text = _TOP_HELP.format(prog=prog, distribution=DISTRIBUTION, about=f"The command line of {about()}.")
+        sys.stdout.write(text)
         raise SystemExit(0 if args else 2)
     if args[0] == "--version":
-        from fabric import __version__
-
-        print(f"{PROG} {__version__}")
+        print(about())
         raise SystemExit(0)
     if args[0] == "consolidate":
         from fabric.consolidate import main as consolidate_main
 
-        raise SystemExit(consolidate_main(args[1:]))
+        raise SystemExit(consolidate_main(args[1:], prog=f"{prog} consolidate"))
     if args[0] != "run":
-        sys.stderr.write(_TOP_HELP)
-        sys.stderr.write(f"{PROG}: error: unknown command {args[0]!r}; accepted: run, consolidate\n")
+        sys.stderr.write(_TOP_HELP.format(prog=prog, distribution=DISTRIBUTION, about=f"The command line of {about()}."))
+        sys.stderr.write(f"{prog}: error: unknown command {args[0]!r}; accepted: run, consolidate\n")
         raise SystemExit(2)
-    config = parse_run_args(args[1:])
+    config = parse_run_args(args[1:], prog=prog, about=f"This is {about()}, not Lightning's launcher.")
     raise SystemExit(run(config))
 
 

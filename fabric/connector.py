@@ -107,7 +107,7 @@ class Connector:
 
 
 def _from_environment(name: str, value: Any) -> Any:
-    """The value of ``FABRIC_<NAME>`` (set by ``fabric run``) where the code left the argument at its default."""
+    """The value of ``FABRIC_<NAME>`` (set by ``fabric-torch run``) where the code left the argument at its default."""
     env_value = os.environ.get(fabric_variable(name))
     if env_value is None:
         return value
@@ -115,7 +115,7 @@ def _from_environment(name: str, value: Any) -> Any:
     if value != default and str(value) != env_value:
         raise ValueError(
             f"Fabric({name}={value!r}) in the code conflicts with --{name.replace('_', '-')}={env_value} given to"
-            " `fabric run`; remove one of them"
+            f" `fabric-torch run` ({fabric_variable(name)}={env_value}); remove one of them"
         )
     if name == "num_nodes":
         if not env_value.isdigit():

@@ -1,4 +1,4 @@
-"""``fabric consolidate CHECKPOINT_DIR OUT.pt``: turn a sharded checkpoint folder into one file.
+"""``fabric-torch consolidate CHECKPOINT_DIR OUT.pt``: turn a sharded checkpoint folder into one file.
 
 Runs in this one process, without starting a job: every tensor is read whole from its shards. The
 result is what ``state_dict_type="full"`` writes: plain ``torch.load`` reads it (safely, with
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-PROG = "fabric consolidate"
+PROG = "fabric-torch consolidate"
 
 
 def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool | None = None) -> dict:
@@ -31,8 +31,9 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool 
     return checkpoint
 
 
-def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1])
+def main(argv: Sequence[str], prog: str = PROG) -> int:
+    """``prog``: the command as the user called it (``fabric-torch consolidate``, ``python -m fabric consolidate``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0].split(": ", 1)[1])
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="folder written by a sharded save")
     parser.add_argument("out", metavar="OUT.pt", help="the single file to write")
     parser.add_argument(
@@ -44,7 +45,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         checkpoint = consolidate(args.checkpoint_dir, args.out, weights_only=False if args.unsafe_load else None)
     except (ValueError, OSError, RuntimeError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
-    print(f"{PROG}: wrote {args.out} ({', '.join(sorted(map(str, checkpoint)))})")
+    print(f"{prog}: wrote {args.out} ({', '.join(sorted(map(str, checkpoint)))})")
     return 0

@@ -142,7 +142,7 @@ class Fabric:
         With start method "popen" (strategy "ddp"), call it without a function: the script itself is
         re-run for the other ranks. With "spawn"/"fork"/"forkserver", pass ``function``; each process
         runs ``function(fabric, *args, **kwargs)`` and rank 0's return value comes back here.
-        Under an external launcher (torchrun, srun, mpirun, ``fabric run``) nothing is started: the
+        Under an external launcher (torchrun, srun, mpirun, ``fabric-torch run``) nothing is started: the
         process is only set up, and a script may leave ``launch()`` out altogether.
         """
         if self._launch_called:

@@ -1,4 +1,4 @@
-"""``fabric run``'s command line: its options, their checks, and the :class:`RunConfig` they make.
+"""``fabric-torch run``'s command line: its options, their checks, and the :class:`RunConfig` they make.
 
 Every value a user can get wrong is checked here, before anything starts, with a message naming the
 value and what is accepted. The flag spellings are Lightning Fabric's. Standard library and the
@@ -16,9 +16,15 @@ from typing import Any
 from fabric._core.devices import DevicesSyntaxError, parse_devices
 from fabric._core.names import ACCELERATOR_CHOICES, PRECISION_ALIASES, PRECISION_VALUES
 
-__all__ = ["DEFAULT_MAIN_ADDRESS", "DEFAULT_MAIN_PORT", "PROG", "RunConfig", "build_run_parser", "parse_run_args"]
+__all__ = [
+    "DEFAULT_MAIN_ADDRESS", "DEFAULT_MAIN_PORT", "DISTRIBUTION", "PROG", "RunConfig", "build_run_parser", "parse_run_args",
+]
 
-PROG = "fabric"
+#: The distribution's name. Its console script of that name is ours alone: Lightning (`lightning`,
+#: `lightning-fabric`) installs a `fabric` command too, and whichever package was installed last owns it.
+DISTRIBUTION = "fabric-torch"
+#: The command the docs, messages and help show (also `python -m fabric`).
+PROG = DISTRIBUTION
 # `fabric run` hands these to the script's Fabric(); its choices are the core's names (no torch import).
 ACCELERATORS = ACCELERATOR_CHOICES
 PRECISIONS = (*PRECISION_VALUES, *(alias for alias in PRECISION_ALIASES if isinstance(alias, str)))
@@ -46,7 +52,7 @@ def _choice(option: str, accepted: Sequence[str], extra: dict[str, str] | None =
             return value.lower()
         if extra and value.lower() in extra:
             raise argparse.ArgumentTypeError(
-                f"{option}={value!r} cannot be used with `fabric run`: {extra[value.lower()]}."
+                f"{option}={value!r} cannot be used with `{PROG} run`: {extra[value.lower()]}."
                 f" Accepted: {', '.join(accepted)}"
             )
         raise argparse.ArgumentTypeError(f"{option}={value!r} is not known; accepted: {', '.join(accepted)}")
@@ -172,20 +178,24 @@ The options reach `Fabric()` in the script through FABRIC_* environment variable
 needs no flags of its own; options not given are left to the script's code.
 
 examples:
-  fabric run train.py                                   # like `python train.py`
-  fabric run --accelerator cpu --devices 2 train.py --lr 0.1
-  fabric run --devices 2 --num-nodes 2 --node-rank 0 --main-address 10.0.0.1 train.py   # machine 0
-  fabric run --devices 2 --num-nodes 2 --node-rank 1 --main-address 10.0.0.1 train.py   # machine 1
+  {prog} run train.py                                   # like `python train.py`
+  {prog} run --accelerator cpu --devices 2 train.py --lr 0.1
+  {prog} run --devices 2 --num-nodes 2 --node-rank 0 --main-address 10.0.0.1 train.py   # machine 0
+  {prog} run --devices 2 --num-nodes 2 --node-rank 1 --main-address 10.0.0.1 train.py   # machine 1
 """
 
 
-def build_run_parser() -> argparse.ArgumentParser:
-    """The parser of ``fabric run`` (also what ``--help`` prints)."""
+def build_run_parser(prog: str = PROG, about: str = "") -> argparse.ArgumentParser:
+    """The parser of ``fabric-torch run`` (also what ``--help`` prints), ``prog`` being the command as called.
+
+    ``about`` (which package this command belongs to) is added to the description.
+    """
+    description = "Run a Python script that uses Fabric on the given devices and machines."
     parser = argparse.ArgumentParser(
-        prog=f"{PROG} run",
-        usage=f"{PROG} run [options] SCRIPT [SCRIPT_ARGS ...]",
-        description="Run a Python script that uses Fabric on the given devices and machines.",
-        epilog=_EPILOG,
+        prog=f"{prog} run",
+        usage=f"{prog} run [options] SCRIPT [SCRIPT_ARGS ...]",
+        description=f"{description}\n{about}" if about else description,
+        epilog=_EPILOG.format(prog=prog),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
@@ -253,9 +263,9 @@ class RunConfig:
     shutdown_timeout: float | None = None  # None: the supervisor's default
 
 
-def parse_run_args(argv: Sequence[str]) -> RunConfig:
-    """Parse and check ``fabric run`` arguments; exits with status 2 and a message naming the bad value."""
-    parser = build_run_parser()
+def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> RunConfig:
+    """Parse and check ``fabric-torch run`` arguments; exits with status 2 and a message naming the bad value."""
+    parser = build_run_parser(prog, about)
     flag_to_dest = {flag: dest for dest, flags, _ in _options() for flag in flags}
     ours, script, rest = _split_argv(argv, set(flag_to_dest))
     args = parser.parse_args([*ours, "--", script] if script is not None else ours)

@@ -1,15 +1,18 @@
-"""`fabric run`: option parsing and errors (in-process), and real launches (subprocesses).
+"""`fabric-torch run`: option parsing and errors (in-process), and real launches (subprocesses).
 
 What the launches must show: the script gets the options through FABRIC_* variables and each rank
 the torchrun-style rank variables; one process is the script itself (same pid); the exit status is
-the job's; a failing rank brings the node's job down; a signal to `fabric run` ends every rank, and
-so does `fabric run` being killed outright.
+the failing rank's own; a failing rank brings the node's job down; a signal to the command ends every
+rank, and so does the command being killed outright. Also: the command's names (`fabric-torch`,
+`python -m fabric`) and what `--help`/`--version` say, and that those names stay ours when Lightning's
+`fabric` command is installed in the same environment.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -17,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
+import fabric
 from fabric import cli, run_options
 from fabric.supervision.signals import SHUTDOWN_TIMEOUT_S
-from support import PYTHON
+from support import PYTHON, REPO
 from support.loading import script_path
 from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
 
@@ -41,7 +45,7 @@ def _main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str
 def test_run_help_lists_every_option_with_lightning_names(capsys: pytest.CaptureFixture) -> None:
     code, out, _ = _main(["run", "--help"], capsys)
     assert code == 0
-    assert out.startswith("usage: fabric run [options] SCRIPT [SCRIPT_ARGS ...]")
+    assert out.startswith("usage: fabric-torch run [options] SCRIPT [SCRIPT_ARGS ...]")
     for flag in ("--accelerator", "--strategy", "--devices", "--num-nodes", "--num_nodes", "--node-rank",
                  "--main-address", "--main-port", "--precision", "--max-restarts", "--shutdown-timeout"):
         assert flag in out
@@ -54,11 +58,94 @@ def test_top_level_usage_version_and_unknown_command(capsys: pytest.CaptureFixtu
     code, out, _ = _main([], capsys)
     assert code == 2 and "commands:" in out and "run" in out
     code, out, _ = _main(["--help"], capsys)
-    assert code == 0 and "fabric run --help" in out
+    assert code == 0 and "fabric-torch run --help" in out
     code, out, _ = _main(["--version"], capsys)
-    assert code == 0 and out.startswith("fabric ")
+    assert code == 0 and out.startswith("fabric-torch ")
     code, _, err = _main(["train"], capsys)
     assert code == 2 and "unknown command 'train'" in err and "accepted: run" in err
+
+
+@pytest.mark.timeout(30)
+def test_version_and_help_name_the_package_and_its_folder() -> None:
+    """`python -m fabric` (and the console scripts, which run the same main) says whose command it is."""
+    package = str(REPO / "fabric")
+    version = run([PYTHON, "-m", "fabric", "--version"], timeout=25).stdout
+    assert version == f"fabric-torch {fabric.__version__} (the fabric package at {package})\n"
+    top = run([PYTHON, "-m", "fabric", "--help"], timeout=25).stdout
+    assert top.startswith("usage: python -m fabric <command> [options]")
+    assert f"The command line of fabric-torch {fabric.__version__} (the fabric package at {package})." in top
+    assert "`fabric-torch` or `python -m fabric`" in " ".join(top.split())  # the names that are always ours
+    run_help = run([PYTHON, "-m", "fabric", "run", "--help"], timeout=25).stdout
+    assert run_help.startswith("usage: python -m fabric run [options] SCRIPT")
+    assert f"This is fabric-torch {fabric.__version__} (the fabric package at {package}), not Lightning's launcher." in run_help
+    assert "python -m fabric run --accelerator cpu --devices 2 train.py" in run_help  # the examples as called
+
+
+@pytest.mark.timeout(10)
+def test_usage_lines_name_the_command_as_it_was_called() -> None:
+    assert cli.program_name("/venv/bin/fabric-torch") == "fabric-torch"
+    assert cli.program_name("/venv/bin/fabric") == "fabric"
+    assert cli.program_name(str(Path(cli.__file__).parent / "__main__.py")) == "python -m fabric"
+    assert cli.program_name("/venv/bin/pytest") == "fabric-torch"  # called as a function: the documented name
+    assert cli.program_name("/venv/lib/pytest/__main__.py") == "fabric-torch"  # another package's `python -m`
+    assert run_options.PROG == run_options.DISTRIBUTION == "fabric-torch"
+
+
+# A distribution that installs a console script named `fabric`, as `lightning` and `lightning-fabric` do.
+_STAND_IN_PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=64"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "lightning-stand-in"
+version = "0.0.1"
+
+[project.scripts]
+fabric = "lightning_stand_in:main"
+
+[tool.setuptools]
+packages = ["lightning_stand_in"]
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not LINUX, reason="the virtual environment's layout (bin/) is the POSIX one")
+def test_with_lightnings_fabric_command_installed_last_our_names_still_run_ours(tmp_path: Path) -> None:
+    """A fresh environment gets this checkout's wheel, then a stand-in for Lightning that installs `fabric`
+    (offline: wheels built here, no index). `fabric` is then the stand-in's; `fabric-torch run` and
+    `python -m fabric run` still run our launcher (the script sees FABRIC_RUN_BY_CLI, which only ours sets)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "fabric", source / "fabric", ignore=shutil.ignore_patterns("__pycache__"))
+    stand_in = tmp_path / "stand_in"
+    (stand_in / "lightning_stand_in").mkdir(parents=True)
+    (stand_in / "pyproject.toml").write_text(_STAND_IN_PYPROJECT)
+    (stand_in / "lightning_stand_in" / "__init__.py").write_text("def main():\n    print('the stand-in for Lightning')\n")
+    wheels, venv = tmp_path / "wheels", tmp_path / "venv"
+    pip = [PYTHON, "-m", "pip", "--disable-pip-version-check", "--no-input"]
+    run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels), str(source),
+         str(stand_in)], timeout=60)
+    run([PYTHON, "-m", "venv", "--without-pip", str(venv)], timeout=60)
+    for wheel in ("fabric_torch-*.whl", "lightning_stand_in-*.whl"):  # ours first: Lightning's wins `bin/fabric`
+        run([*pip, "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", "--no-index",
+             str(next(wheels.glob(wheel)))], timeout=60)
+
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH" and not name.startswith("FABRIC_")}
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('run by our launcher:', os.environ.get('FABRIC_RUN_BY_CLI'))\n")
+
+    def call(*command: str) -> str:
+        return run(list(command), timeout=30, env=env, cwd=tmp_path).stdout
+
+    installed = next((venv / "lib").glob("python*/site-packages/fabric"))
+    assert call("fabric-torch", "--version") == f"fabric-torch {fabric.__version__} (the fabric package at {installed})\n"
+    assert call("fabric-torch", "run", "--accelerator", "cpu", str(script)) == "run by our launcher: 1\n"
+    assert call("python", "-m", "fabric", "run", "--accelerator", "cpu", str(script)) == "run by our launcher: 1\n"
+    assert call("fabric", "run", "--accelerator", "cpu", str(script)) == "the stand-in for Lightning\n"
 
 
 @pytest.mark.timeout(40)
@@ -136,10 +223,10 @@ def test_missing_or_absent_script_exits_2(capsys: pytest.CaptureFixture, tmp_pat
 
 @pytest.mark.timeout(30)
 def test_bad_option_from_the_command_line_exits_2() -> None:
-    """Through `python -m fabric`, as a user types it (the `fabric` script calls the same main())."""
+    """Through `python -m fabric`, as a user types it (the console scripts call the same main())."""
     result = run(fabric_run("--accelerator", "tpu", RANKS_ENV), timeout=25, check=False)
     assert result.returncode == 2
-    assert result.stderr.startswith("usage: fabric run [options] SCRIPT [SCRIPT_ARGS ...]")
+    assert result.stderr.startswith("usage: python -m fabric run [options] SCRIPT [SCRIPT_ARGS ...]")
     assert "--accelerator='tpu' is not known; accepted: auto, cpu, cuda, gpu, mps" in result.stderr
 
 
@@ -269,6 +356,46 @@ def test_a_failing_rank_ends_the_job_with_its_exit_status(tmp_path: Path) -> Non
     assert "stopping the other 2 rank(s)" in result.stderr
     assert took < 30  # the sleeping ranks (60 s) were stopped
     wait_dead([r["pid"] for r in read_ranks(tmp_path).values()], timeout=5)
+
+
+# A Fabric script whose rank 1 fails in the way named by argv[1]; rank 0 sleeps meanwhile (stopped by the job).
+_FAILING_RANK = """\
+import os, signal, sys, time
+from fabric import Fabric
+fabric = Fabric(accelerator="cpu")
+fabric.launch()
+if fabric.global_rank == 1:
+    how = sys.argv[1]
+    if how == "raise":
+        raise ValueError("boom from rank 1")
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("how", "status", "said"),
+    [
+        ("raise", 1, "rank 1 raised an exception (traceback above), pid"),
+        ("exit", 3, "rank 1 exited with code 3, pid"),
+        ("sigkill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL, pid"),
+    ],
+)
+def test_the_job_ends_with_the_failing_ranks_own_status_and_counts_the_others(
+    tmp_path: Path, how: str, status: int, said: str
+) -> None:
+    """A rank that raises makes the job exit 1, not the 143 of the SIGTERM that stopped it while it unwound;
+    the report counts the ranks stopped besides it (1 in a 2-rank job)."""
+    script = tmp_path / "fail.py"
+    script.write_text(_FAILING_RANK)
+    result = run(fabric_run("--devices", "2", script, how), timeout=50, check=False)
+    assert result.returncode == status, result.stderr
+    reports = [line for line in result.stderr.splitlines() if line.startswith("[fabric]")]
+    assert len(reports) == 1 and said in reports[0], result.stderr
+    assert reports[0].endswith("; stopping the other 1 rank(s) on this node"), result.stderr
 
 
 @pytest.mark.timeout(40)

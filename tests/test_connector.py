@@ -272,7 +272,8 @@ def test_environment_precision_is_used_when_the_code_has_none(monkeypatch):
 )
 def test_environment_conflicts_with_the_code(monkeypatch, variable, value, argument, code_value):
     monkeypatch.setenv(variable, value)
-    with raises(ValueError, f"Fabric({argument}={code_value!r})", f"--{argument.replace('_', '-')}={value}", "fabric run"):
+    with raises(ValueError, f"Fabric({argument}={code_value!r})", f"--{argument.replace('_', '-')}={value}",
+                "fabric-torch run", f"{variable}={value}"):
         Fabric(**{argument: code_value})
 
 

@@ -5,7 +5,7 @@ line Fabric changes. With Fabric the loop runs unchanged on 1 CPU, N processes, 
 
     python examples/digits/train_fabric.py                                        # one process
     python examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp
-    fabric run --accelerator cpu --devices 2 examples/digits/train_fabric.py      # the same, via the CLI
+    fabric-torch run --accelerator cpu --devices 2 examples/digits/train_fabric.py      # the same, via the CLI
     python examples/digits/train_fabric.py --resume                               # continue the last run
 
 Needs ``pip install fabric-torch[examples]`` (scikit-learn, matplotlib, tqdm). Writes to ``--out``:
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=0.01)
-    # Fabric's defaults: under `fabric run` the command line's options fill them in
+    # Fabric's defaults: under `fabric-torch run` the command line's options fill them in
     parser.add_argument("--accelerator", default="auto", help="cpu, cuda, mps, gpu or auto")
     parser.add_argument("--strategy", default="auto", help="auto, ddp, ...")
     parser.add_argument("--devices", default="auto", help="number of devices (processes) per node")
@@ -118,7 +118,7 @@ def main(args: argparse.Namespace) -> dict:
         precision=args.precision,
         loggers=CSVLogger(out, name="logs"),
     )
-    fabric.launch()  # with --devices N this starts the other N-1 processes (nothing under `fabric run`)
+    fabric.launch()  # with --devices N this starts the other N-1 processes (nothing under `fabric-torch run`)
     fabric.seed_everything(args.seed)
 
     train_set, val_set = make_datasets()

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric._core.env import export_rendezvous
+from fabric._core.listening import keep_gloo_on_loopback, tcp_store_arguments
 from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
 from fabric.strategies.strategy import BackwardSyncControl
 from fabric.utilities.apply_func import move_data_to_device
@@ -145,9 +146,15 @@ class ProcessGroupStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {}
         if self._timeout is not None:
             kwargs["timeout"] = self._timeout
+        # every rank on this machine: the store and gloo listen on loopback only (fabric/_core/listening.py)
+        single_machine = self.num_nodes == 1 and self.world_size == self.num_processes
+        if single_machine:
+            keep_gloo_on_loopback()
         store = _restart_attempt_store(env.main_address, env.main_port, self.world_size, self._timeout)
-        if store is not None:
-            kwargs["store"] = store
+        if store is None:
+            store = _job_store(env.main_address, env.main_port, self.global_rank, self.world_size, single_machine,
+                               self._timeout or _default_timeout(self.process_group_backend))
+        kwargs["store"] = store
         bind_default_arguments_before_the_group_exists()
         dist.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
         # Leaving the group explicitly at exit is cheap (~10 ms); left to the destructors, a gloo group can
@@ -353,6 +360,26 @@ def _restart_attempt_store(host: str, port: int, world_size: int, timeout: timed
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout or timedelta(minutes=30))
     return dist.PrefixStore(f"fabric/attempt_{attempt}", client)
+
+
+def _job_store(host: str, port: int, rank: int, world_size: int, single_machine: bool, timeout: timedelta) -> Any:
+    """The store torch's ``env://`` rendezvous would create (rank 0 the server), listening on loopback for a
+    one-machine job and on the main address's interface otherwise, rather than on every interface."""
+    from fabric.utilities.rank_zero import rank_zero_warn
+
+    store = dist.TCPStore(**tcp_store_arguments(host, port, is_server=rank == 0, single_machine=single_machine,
+                                                timeout=timeout, world_size=world_size, warn=rank_zero_warn))
+    return dist.PrefixStore("default_pg", store)  # the keys where torch's own rendezvous puts them
+
+
+def _default_timeout(backend: str) -> timedelta:
+    """torch's default timeout of a group of ``backend`` (also its store's, when torch creates the store)."""
+    from torch.distributed import constants
+
+    nccl = getattr(constants, "default_pg_nccl_timeout", None)
+    if backend == "nccl" and isinstance(nccl, timedelta):
+        return nccl
+    return constants.default_pg_timeout
 
 
 def _unwrap_ddp(module: Module) -> Module:

@@ -106,7 +106,7 @@ class Strategy(ABC):
 
     @property
     def launched_externally(self) -> bool:
-        """Every process of the job was started by someone else (torchrun, srun, mpirun, ``fabric run``).
+        """Every process of the job was started by someone else (torchrun, srun, mpirun, ``fabric-torch run``).
 
         Then nothing is left to launch, and ``Fabric`` sets the process up on first use if the script
         never calls ``launch()``.

@@ -22,12 +22,15 @@ only on this path (``fabric run`` stays torch-free otherwise).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from fabric._core.env import find_free_port
+from fabric._core.listening import tcp_store_arguments
 from fabric._core.processes import signal_name
 from fabric.supervision.signals import SignalPipe
 from fabric.supervision.supervisor import POLL_S, JobResult, Supervisor, wait_readable
@@ -38,6 +41,8 @@ __all__ = ["JOIN_TIMEOUT_S", "OTHER_NODE_RESTARTS", "NodeRendezvous", "default_r
 JOIN_TIMEOUT_S = 600
 #: How often a running node asks the rendezvous whether another node wants a new round.
 CHECK_EVERY_S = 0.5
+#: The store's timeout for one read (torch's c10d rendezvous backend's default ``read_timeout``).
+STORE_READ_TIMEOUT_S = 60
 #: How long the node hosting the store waits, at the end, for the other nodes to see that the job ended.
 LEAVE_TIMEOUT_S = 10.0
 
@@ -72,6 +77,8 @@ class NodeRendezvous:
         self._handler: Any = None
         self._store: Any = None  # the current round's store
         self._next_check = 0.0
+        #: told when the store cannot listen on the main address's interface alone (set by :meth:`run`)
+        self.report: Callable[[str], object] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -87,6 +94,7 @@ class NodeRendezvous:
         restarted), or a failure once the restarts are spent (the failed rank's status).
         """
         result: JobResult | None = None
+        self.report = report
         try:
             while True:
                 ended = self._join(supervisor.attempts, supervisor.signals)
@@ -173,14 +181,31 @@ class NodeRendezvous:
         }
 
     def _connect(self) -> Any:
-        """The c10d rendezvous handler; the node of node rank 0 hosts its store."""
-        from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+        """The c10d rendezvous handler; the node of node rank 0 hosts its store.
 
+        The store is the one torch's c10d backend would create (multi-tenant, a 60 s read timeout), but
+        its server listens only on the interface of ``--main-address`` (``fabric._core.listening``), and
+        torch's second store (the one it shares with the ranks of torchrun's agent, which ours never use)
+        is not created: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in this process (the ranks' environments
+        are made before).
+        """
+        from torch.distributed import TCPStore
+        from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         parameters = RendezvousParameters(
             backend="c10d", endpoint=self.endpoint, run_id=self.run_id, min_nodes=self.num_nodes,
             max_nodes=self.num_nodes, is_host=self.node_rank == 0, join_timeout=JOIN_TIMEOUT_S,
         )
-        return rendezvous_handler_registry.create_handler(parameters)
+        try:
+            store = TCPStore(**tcp_store_arguments(
+                self.main_address, self.main_port, is_server=self.node_rank == 0, single_machine=False,
+                timeout=timedelta(seconds=STORE_READ_TIMEOUT_S), warn=self.report))
+        except (ValueError, RuntimeError, TimeoutError) as err:  # as torch's c10d backend reports it
+            raise RendezvousConnectionError(f"the connection to the store at {self.endpoint} failed") from err
+        return create_handler(store, C10dRendezvousBackend(store, self.run_id), parameters)
 
     def _finish(self, signals: SignalPipe | None) -> JobResult:
         """This node's ranks all succeeded: wait until every node's did (or the job goes on without us)."""

@@ -115,9 +115,13 @@ class RankZeroSupervision:
                 cause = self.supervisor.root_cause()
                 if cause is not None:
                     reason = self.supervisor.failure_of(cause).describe()
-                alive = self.supervisor.alive()
-                if alive or cause is not None:
-                    write_stderr(f"[fabric] {reason}; stopping the other {len(alive)} rank(s) on this node")
+                # the ranks still running besides the one that failed: the other children, and rank 0
+                # itself when the cause is a child
+                others = self.supervisor.others_alive(cause.rank if cause is not None else None)
+                if cause is not None:
+                    others += 1
+                if others or cause is not None:
+                    write_stderr(f"[fabric] {reason}; stopping the other {others} rank(s) on this node")
                 self._report(self.supervisor.diagnose(own_trace=own_trace, own_running=False))
                 self.supervisor.stop()
                 self.supervisor.close()
@@ -203,7 +207,8 @@ class RankZeroSupervision:
             self._stopping = True
             self._forced_exit = 1
             try:
-                others = len(self.supervisor.ranks)  # every other rank: the other children and rank 0
+                # the ranks still running besides the failed one: the other children that run, and rank 0
+                others = self.supervisor.others_alive(result.failure.rank) + 1
                 write_stderr(f"[fabric] {result.failure.describe()}; stopping the other {others} rank(s) on this node")
                 self._report(result.diagnosis)
                 self._teardown()

@@ -205,12 +205,19 @@ class JobResult:
 
     @property
     def exit_status(self) -> int:
-        """The status a command ends with: 0, the failed rank's code, 128 + the signal, or 1 when stopped."""
+        """The status a command ends with: 0, the failed rank's own status, 128 + the signal, or 1 when stopped.
+
+        A rank that raised ends with 1 (Python's status for an uncaught exception) even when the
+        supervisor's stop killed it while it unwound: its status is its exception's, not our SIGTERM's
+        (a scheduler that requeues on 143 must not take a crash for a pre-emption).
+        """
         if self.signal is not None:
             return 128 + self.signal
         if self.failure is None:
             return 0 if self.stopped is None else 1
         code = self.failure.exitcode
+        if self.failure.raised:
+            return code if code is not None and code > 0 else 1
         if code is None or code == 0:
             return 1
         return 128 - code if code < 0 else code
@@ -321,7 +328,8 @@ class Supervisor:
         try:
             result = self.wait(should_stop)
             if report is not None:
-                others = len(self.alive())
+                failed = result.failure.rank if result.failure is not None else None
+                others = self.others_alive(failed)
                 if result.failure is not None:
                     report(f"{result.failure.describe()}; stopping the other {others} rank(s) on this node")
                 elif result.signal is not None:
@@ -333,7 +341,7 @@ class Supervisor:
                     report(result.diagnosis)
         finally:
             self.stop(result.signal or signal.SIGTERM)
-        if result.failure is not None:  # now that it is stopped, its exit code is known
+        if result.failure is not None:  # now that it is stopped, its exit code is known (see exit_status)
             handle = self.rank(result.failure.rank)
             result = replace(result, failure=replace(result.failure, exitcode=handle.poll()))
         return result
@@ -391,6 +399,10 @@ class Supervisor:
     def alive(self) -> list[RankProcess]:
         """The ranks whose process has not ended (a rank that raised may be among them, still unwinding)."""
         return [handle for handle, code in zip(self.ranks, self._exit_codes()) if code is None]
+
+    def others_alive(self, rank: int | None) -> int:
+        """How many ranks other than ``rank`` still run (a failed rank still unwinding is not one of its others)."""
+        return sum(1 for handle in self.alive() if handle.rank != rank)
 
     def states(self) -> dict[int, RankState]:
         """Every started rank's :class:`RankState`, by rank, as of now."""

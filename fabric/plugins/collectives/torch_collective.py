@@ -145,7 +145,7 @@ class TorchCollective(Collective):
         """Join the default group (``kwargs`` for ``init_process_group``, e.g. ``backend="gloo"``) unless joined.
 
         ``main_address``/``main_port`` override ``MASTER_ADDR``/``MASTER_PORT``; the ranks come from the
-        environment (``RANK``, ``WORLD_SIZE``), as ``fabric run`` and torchrun set them.
+        environment (``RANK``, ``WORLD_SIZE``), as ``fabric-torch run`` and torchrun set them.
         """
         if main_address is not None:
             os.environ["MASTER_ADDR"] = str(main_address)

@@ -1,4 +1,4 @@
-"""Processes started by ``torchrun`` (torch.distributed.elastic), or by ``fabric run``."""
+"""Processes started by ``torchrun`` (torch.distributed.elastic), or by ``fabric-torch run``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class TorchElasticEnvironment(ClusterDecidesRanks, ClusterEnvironment):
 
     Detected as Lightning detects it, by ``TORCHELASTIC_RUN_ID`` (torchrun sets it for every job), and
     also by the four rank variables ``RANK``, ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
-    together, which ``fabric run`` and the popen launcher export without a run id.
+    together, which ``fabric-torch run`` and the popen launcher export without a run id.
     """
 
     _MARKERS = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

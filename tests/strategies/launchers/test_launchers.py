@@ -255,6 +255,17 @@ def test_popen_child_failure_after_rank0_returned(run_job):
 
 
 @pytest.mark.timeout(60)
+def test_popen_counts_only_the_ranks_still_running_as_the_others(run_job):
+    """Rank 2 has finished and rank 0 waits at exit when rank 1 raises: one other rank (rank 0) is stopped."""
+    job = run_job("popen_job", "--nprocs", "3", "--fail-rank", "1", "--fail-after", "2.0")
+    assert job.wait() == 1, job.stderr
+    assert (job.outdir / "done2").exists()
+    reports = [line for line in job.stderr.splitlines() if line.startswith("[fabric]")]
+    assert len(reports) == 1 and "rank 1 raised an exception" in reports[0], job.stderr
+    assert reports[0].endswith("; stopping the other 1 rank(s) on this node"), job.stderr
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["exception", "sysexit"])
 def test_popen_rank0_failure_kills_children(run_job, how):
     job = run_job("popen_job", "--nprocs", "2", "--fail-rank", "0", "--how", how, "--block", "--grandchild")

@@ -33,6 +33,9 @@ _RANK_ZERO = textwrap.dedent(
             time.sleep({report_after})
             return JobResult(failure=RankFailure(1, None, 1, True))
 
+        def others_alive(self, rank):
+            return 0
+
         def stop(self, signum=15):
             time.sleep({stop_takes})
 

@@ -32,6 +32,11 @@ _BODIES = {
         "import os, sys, time; time.sleep({delay}); fd = int(os.environ['FABRIC_STATUS_FD']);"
         " os.write(fd, ('E%.6f\\n' % time.monotonic()).encode()); sys.exit(1)"
     ),
+    # report "I raised", then keep unwinding (a slow interpreter shutdown): still running when the job is stopped
+    "raise_slowly": (
+        "import os, time; time.sleep({delay}); fd = int(os.environ['FABRIC_STATUS_FD']);"
+        " os.write(fd, ('E%.6f\\n' % time.monotonic()).encode()); time.sleep(60)"
+    ),
     "sleep": "import time; time.sleep(60)",
 }
 
@@ -80,6 +85,18 @@ def test_among_ranks_that_raised_the_first_is_the_cause() -> None:
     result = _supervisor({0: ("raise", 0.8), 1: ("raise", 0.5), 2: ("sleep", 0)}).run()
     assert result.failure is not None and result.failure.rank == 1 and result.failure.raised
     assert result.exit_status == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_while_it_unwinds_its_exception_gives_status_1_and_is_not_counted_among_the_others() -> None:
+    reports: list[str] = []
+    supervisor = _supervisor({0: ("sleep", 0), 1: ("raise_slowly", 0.3)})
+    result = supervisor.run(report=reports.append)
+    supervisor.close()
+    assert result.failure is not None and result.failure.rank == 1 and result.failure.raised
+    assert result.failure.exitcode == -signal.SIGTERM  # the supervisor's stop ended it ...
+    assert result.exit_status == 1  # ... but the job's status is its exception's, not 143
+    assert len(reports) == 1 and reports[0].endswith("; stopping the other 1 rank(s) on this node"), reports
 
 
 @pytest.mark.timeout(60)
@@ -148,6 +165,10 @@ def test_exit_status_of_each_kind_of_result() -> None:
     assert JobResult(failure=RankFailure(1, 10, -signal.SIGKILL, False)).exit_status == 137
     assert JobResult(failure=RankFailure(1, 10, 5, False)).exit_status == 5
     assert JobResult(failure=RankFailure(1, 10, None, True)).exit_status == 1  # raised, still shutting down
+    # raised, then stopped by the supervisor's SIGTERM (or killed) while it unwound: its exception's status
+    assert JobResult(failure=RankFailure(1, 10, -signal.SIGTERM, True)).exit_status == 1
+    assert JobResult(failure=RankFailure(1, 10, -signal.SIGKILL, True)).exit_status == 1
+    assert JobResult(failure=RankFailure(1, 10, 4, True)).exit_status == 4  # its own code, once it ended by itself
     assert JobResult(stopped="another node ended the job").exit_status == 1
     assert RankFailure(2, 11, 1, True).describe() == "rank 2 raised an exception (exit code 1) (traceback above), pid 11"
 

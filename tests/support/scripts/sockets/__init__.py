@@ -1,0 +1,1 @@
+"""Scripts whose running jobs the socket tests inspect."""
