@@ -16,6 +16,7 @@ parallel (each process imports torch, ~2 CPU-seconds); the time per rank (total 
 anything of ours grows faster than linearly.
 
     python benchmarks/scaling.py [--ranks 2 4 8 16 32] [--size-mb 32] [--out scaling.json] [--plot scaling.png]
+    python benchmarks/scaling.py --replot scaling.json --plot scaling.png
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
                        ("save_s", "sharded save"), ("load_s", "sharded load")):
         total.plot(ranks, [row[key] for row in rows], marker="o", label=label)
         per_rank.plot(ranks, [row[key] / row["ranks"] for row in rows], marker="o", label=label)
-    for axes, title in ((total, "seconds"), (per_rank, "seconds per rank")):
+    total.set_yscale("log")  # with log ranks too: linear growth is a line of slope 1
+    for axes, title in ((total, "seconds (log scale)"), (per_rank, "seconds per rank")):
         axes.set_xscale("log", base=2)
         axes.set_xticks(ranks, [str(n) for n in ranks])
         axes.set_xlabel("ranks (processes on one 2-core machine)")
@@ -138,7 +140,11 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=32)
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--replot", default=None, help="draw --plot from the rows of an earlier --out file, running nothing")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.plot)
+        return
     rows = []
     print(f"{'ranks':>5s} {'start s':>8s} {'restart s':>9s} {'save s':>7s} {'load s':>7s}")
     for ranks in args.ranks:
