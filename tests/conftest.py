@@ -45,3 +45,14 @@ def clean_fabric_env(monkeypatch: pytest.MonkeyPatch):
 def subprocess_env() -> dict[str, str]:
     """Environment for a child Python that must import this checkout's ``fabric`` from any folder."""
     return clean_env(OMP_NUM_THREADS="1")  # two cores are shared with other test runs
+
+
+@pytest.fixture(scope="session")
+def saved_on_two(tmp_path_factory) -> Path:
+    """A real 2-process FSDP job's checkpoints (``support/scripts/dcp/job.py save``): a folder of shards,
+    a full file and per-rank references. Shared, so the tests only read it (copy it to damage it)."""
+    from support.dcp_jobs import run_job
+
+    out = tmp_path_factory.mktemp("dcp")
+    run_job(2, str(out), "save")
+    return out

@@ -125,15 +125,17 @@ def test_with_lightnings_fabric_command_installed_last_our_names_still_run_ours(
     (stand_in / "pyproject.toml").write_text(_STAND_IN_PYPROJECT)
     (stand_in / "lightning_stand_in" / "__init__.py").write_text("def main():\n    print('the stand-in for Lightning')\n")
     wheels, venv = tmp_path / "wheels", tmp_path / "venv"
+    # no PYTHONPATH: with this checkout on it, pip would take the checkout's fabric_torch.egg-info (left by
+    # `pip install -e .`) for an installed copy and install nothing
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH" and not name.startswith("FABRIC_")}
     pip = [PYTHON, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(wheels), str(source),
-         str(stand_in)], timeout=60)
-    run([PYTHON, "-m", "venv", "--without-pip", str(venv)], timeout=60)
+         str(stand_in)], timeout=60, env=env, cwd=tmp_path)
+    run([PYTHON, "-m", "venv", "--without-pip", str(venv)], timeout=60, env=env, cwd=tmp_path)
     for wheel in ("fabric_torch-*.whl", "lightning_stand_in-*.whl"):  # ours first: Lightning's wins `bin/fabric`
         run([*pip, "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", "--no-index",
-             str(next(wheels.glob(wheel)))], timeout=60)
+             str(next(wheels.glob(wheel)))], timeout=60, env=env, cwd=tmp_path)
 
-    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH" and not name.startswith("FABRIC_")}
     env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
     script = tmp_path / "show.py"
     script.write_text("import os\nprint('run by our launcher:', os.environ.get('FABRIC_RUN_BY_CLI'))\n")

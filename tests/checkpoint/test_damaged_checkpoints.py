@@ -254,18 +254,11 @@ def test_random_damage_gives_a_clear_error_and_no_change_or_the_exact_values(pri
 # ---- two processes under FSDP: no rank changes anything -------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def saved_by_two(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("fsdp-damage")
-    run_job(2, str(out), "save")
-    return out
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
-def test_a_damaged_shard_changes_neither_rank_under_fsdp(saved_by_two, tmp_path, damage):
+def test_a_damaged_shard_changes_neither_rank_under_fsdp(saved_on_two, tmp_path, damage):
     folder = tmp_path / "sharded"
-    shutil.copytree(saved_by_two / "sharded", folder)
+    shutil.copytree(saved_on_two / "sharded", folder)
     shard = folder / "__1_0.distcp"  # rank 1's shards only: rank 0 could read its own
     if damage == "missing":
         shard.unlink()

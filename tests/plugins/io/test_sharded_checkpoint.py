@@ -41,13 +41,6 @@ def plain_model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.5)
 
 
-@pytest.fixture(scope="module")
-def saved_on_two(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dcp")
-    run_job(2, str(out), "save")
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_two_process_save_writes_a_folder_and_a_full_file(saved_on_two):
     folder = saved_on_two / "sharded"
