@@ -43,7 +43,7 @@ T = TypeVar("T")
 
 
 class CheckpointHost(StateDictHooks, Protocol):
-    """What the pipeline needs of a strategy: its format, its CheckpointIO, its ranks and two collectives."""
+    """What the pipeline needs of a strategy: its format, its CheckpointIO, its ranks, its device and two collectives."""
 
     @property
     def checkpoint_format(self) -> CheckpointFormat: ...
@@ -56,6 +56,9 @@ class CheckpointHost(StateDictHooks, Protocol):
 
     @property
     def world_size(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
 
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
@@ -86,7 +89,8 @@ def save(
     Returns once the checkpoint is published (with ``async_save``: once its tensors are copied off; the
     write's outcome comes with the next save or load); a failure is raised on every rank.
     """
-    state = gather_per_rank_states(state, host.all_gather, host.world_size)
+    # the gather's tensors go to this rank's device: NCCL collectives take no CPU tensors
+    state = gather_per_rank_states(state, lambda tensor: host.all_gather(tensor.to(host.root_device)), host.world_size)
     checkpoint_format = host.checkpoint_format
     if checkpoint_format != "file":
         if storage_options is not None:
@@ -173,7 +177,7 @@ def _agree_through(host: CheckpointHost, step: Callable[[], T], what: str) -> T:
         return step()
 
     def failed_ranks(failed: bool) -> list[int]:
-        flags = host.all_gather(torch.tensor([int(failed)]))
+        flags = host.all_gather(torch.tensor([int(failed)], device=host.root_device))
         return [rank for rank, flag in enumerate(flags.reshape(-1).tolist()) if flag]
 
     return on_every_rank(step, failed_ranks=failed_ranks, broadcast=lambda obj, src: host.broadcast(obj, src=src), what=what)
