@@ -18,21 +18,17 @@ import os
 import struct
 import warnings
 import zipfile
-from collections.abc import Callable
-from typing import IO, TypeVar, cast
+from typing import IO, cast
 
 try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
-__all__ = ["CorruptCheckpointError", "crc32", "load_verified", "verify_file", "verify_range"]
+__all__ = ["CorruptCheckpointError", "check_file", "crc32", "verify_file", "verify_range"]
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature ... file name length, extra field length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
-
-
-T = TypeVar("T")
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -55,16 +51,16 @@ def verify_file(path: str | os.PathLike) -> bool:
     return True
 
 
-def load_verified(path: str | os.PathLike, load: Callable[[], T]) -> T:
-    """``load()`` (which reads the file at ``path``) after checking the file's CRCs.
+def check_file(path: str | os.PathLike) -> None:
+    """Check the file's CRCs before it is loaded (raising :class:`CorruptCheckpointError`); a file with
+    nothing to check is said once in the log.
 
-    The check runs first, in this thread: ISA-L's CRC holds the GIL, so a second thread would not overlap
-    with ``torch.load``, and a rank's other core belongs to another rank. It costs about 5 ms per 100 MB
-    (benchmarks/checkpoint_load.py), and leaves the file in the page cache for the load.
+    The check runs in the loading thread, before the load: ISA-L's CRC holds the GIL, so a second thread
+    would not overlap with ``torch.load``, and a rank's other core belongs to another rank. It costs about
+    5 ms per 100 MB (benchmarks/checkpoint_load.py), and leaves the file in the page cache for the load.
     """
     if not verify_file(path):
         _say_once_nothing_to_check(path)
-    return load()
 
 
 _told_unchecked = False

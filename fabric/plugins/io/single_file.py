@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fabric.plugins.io.integrity import CorruptCheckpointError, load_verified
+from fabric.plugins.io.integrity import CorruptCheckpointError, check_file
 from fabric.plugins.io.publish import atomic_save
 
 
@@ -89,7 +89,8 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
         ) from None
     safe = True if weights_only is None else bool(weights_only)
     try:
-        return load_verified(path, lambda: torch.load(path, map_location=map_location, weights_only=safe))
+        check_file(path)
+        return torch.load(path, map_location=map_location, weights_only=safe)
     except CorruptCheckpointError as err:
         raise CheckpointLoadError(str(err)) from None
     except pickle.UnpicklingError as err:
