@@ -137,8 +137,8 @@ def load(
                 " rather than load_raw()"
             )
         return load_sharded(path, state, strict=strict, weights_only=weights_only)
-    if Path(path).is_dir():
-        raise CheckpointLoadError(incomplete_folder(Path(path)))
+    if Path(path).is_dir() and (host.checkpoint_format != "file" or type(host.checkpoint_io) is TorchCheckpointIO):
+        raise CheckpointLoadError(incomplete_folder(Path(path)))  # (a user's CheckpointIO may keep folders)
     if host.checkpoint_format != "file" and isinstance(state, dict):
         from fabric.checkpoint.full_file import load_full  # full tensors into sharded objects
 

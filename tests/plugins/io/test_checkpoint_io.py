@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -562,3 +563,26 @@ def test_sigkill_mid_save_tears_torch_save_but_never_fabric_save(tmp_path, subpr
     Fabric(accelerator="cpu", devices=1).save(path, writer_module.payload(7, NUMEL))
     assert writer_module.version_of(safe_load(path), NUMEL) == 7
     assert sorted(p.name for p in path.parent.iterdir()) == ["ckpt.pt"]
+
+
+def test_a_users_checkpoint_io_may_keep_each_checkpoint_in_a_folder(tmp_path):
+    """A folder at the path is handed to the user's plugin, not refused as an incomplete sharded checkpoint."""
+    from fabric.plugins.io import CheckpointIO
+
+    class FolderIO(CheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            Path(path).mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, Path(path) / "state.pt")
+
+        def load_checkpoint(self, path, map_location=None, weights_only=None):
+            return torch.load(Path(path) / "state.pt", weights_only=True)
+
+        def remove_checkpoint(self, path):
+            shutil.rmtree(path)
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[FolderIO()])
+    model = nn.Linear(2, 2)
+    fabric.save(tmp_path / "ckpt", {"model": model, "step": 4})
+    target = nn.Linear(2, 2)
+    assert fabric.load(tmp_path / "ckpt", {"model": target}) == {"step": 4}
+    assert torch.equal(target.weight, model.weight)
