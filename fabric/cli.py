@@ -30,6 +30,9 @@ Details worth knowing:
   outright before ranks that raised (their errors are echoes), else the rank that raised first.
 * A rank whose collective timed out is diagnosed as under the launchers: which rank never arrived,
   and where it was.
+* With several nodes and ``--max-restarts``, or ``--num-nodes MIN:MAX`` (elastic), the nodes meet in torch's
+  elastic rendezvous once per attempt (``fabric.supervision.node_rendezvous``): each attempt's number of
+  nodes, and so every rank's ``RANK``/``WORLD_SIZE``, comes from its round.
 * ``OMP_NUM_THREADS`` defaults to usable cores / processes per node, so N ranks do not oversubscribe the
   CPU (``fabric._core.threads``; the launchers apply the same rule).
 
@@ -122,10 +125,12 @@ def _run_ranks(
     first = min(envs)
 
     def start_rank(rank: int, job_dir: str) -> CommandRank:
-        env = {**envs[rank], "TORCHELASTIC_RESTART_COUNT": str(supervisor.attempts - 1),
-               "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), **(nodes.attempt_environment if nodes else {})}
+        # with several nodes the round decides the ranks' numbers (`nodes.rank_ids()`): this is local rank `local`
+        local = rank - (min(supervisor.rank_ids) if nodes else first)
+        env = {**envs[first + local], "TORCHELASTIC_RESTART_COUNT": str(supervisor.attempts - 1),
+               "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), **(nodes.rank_variables(local) if nodes else {})}
         # local rank 0 keeps the terminal's stdin, as under torchrun
-        return CommandRank(rank, command, env, job_dir, keep_stdin=rank == first)
+        return CommandRank(rank, command, env, job_dir, keep_stdin=local == 0)
 
     # SIGINT/SIGHUP stop the job; SIGTERM/SIGUSR1 are passed on to the ranks (fabric/supervision/signals.py)
     with supervising_signals() as signals:
@@ -164,10 +169,11 @@ def run(config: RunConfig) -> int:
         ranks = rank_environment(config.main_address, main_port, config.node_rank, config.num_nodes, nprocs, local_rank)
         envs[global_rank(config.node_rank, nprocs, local_rank)] = {**env, **ranks}
     nodes = None
-    if config.num_nodes > 1 and config.max_restarts:  # the one path of `fabric run` that imports torch
+    if config.node_rendezvous:  # the one path of `fabric run` that imports torch
         from fabric.supervision.node_rendezvous import NodeRendezvous
 
-        nodes = NodeRendezvous(config.main_address, main_port, config.node_rank, config.num_nodes, config.rdzv_id)
+        nodes = NodeRendezvous(config.main_address, main_port, config.node_rank, config.num_nodes, config.rdzv_id,
+                               min_nodes=config.min_nodes, processes_per_node=nprocs, conf=config.rdzv_conf)
     return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts, nodes, config.shutdown_timeout)
 
 

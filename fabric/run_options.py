@@ -80,15 +80,6 @@ def _devices(value: str) -> str:
     return ",".join(map(str, parsed)) + ("," if len(parsed) == 1 else "")
 
 
-def _positive_int(option: str) -> Any:
-    def parse(value: str) -> int:
-        if value.strip().isdigit() and int(value) >= 1:
-            return int(value)
-        raise argparse.ArgumentTypeError(f"{option}={value!r} is not valid; accepted: an integer >= 1")
-
-    return parse
-
-
 def _non_negative_int(option: str) -> Any:
     def parse(value: str) -> int:
         if value.strip().isdigit():
@@ -96,6 +87,44 @@ def _non_negative_int(option: str) -> Any:
         raise argparse.ArgumentTypeError(f"{option}={value!r} is not valid; accepted: an integer >= 0")
 
     return parse
+
+
+def _node_count(value: str) -> tuple[int, int]:
+    """``--num-nodes``: ``N`` (exactly N machines) or ``MIN:MAX`` (torchrun's elastic range), as (min, max)."""
+    parts = value.strip().split(":")
+    if len(parts) in (1, 2) and all(part.strip().isdigit() for part in parts):
+        low, high = int(parts[0]), int(parts[-1])
+        if 1 <= low <= high:
+            return low, high
+    raise argparse.ArgumentTypeError(
+        f"--num-nodes={value!r} is not valid; accepted: a number of machines >= 1, or a range MIN:MAX with 1 <= MIN <= MAX"
+    )
+
+
+#: What ``--rdzv-conf`` may set: torch's dynamic rendezvous settings, whole seconds (or attempts), as torchrun takes them.
+RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval", "keep_alive_max_attempt")
+
+
+def _rdzv_conf(value: str) -> dict[str, int]:
+    """``--rdzv-conf KEY=VALUE,...``: settings of the nodes' rendezvous (torchrun's spelling and meaning)."""
+    conf: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, _, number = item.partition("=")
+        key = key.strip()
+        if key not in RDZV_CONF_KEYS:
+            raise argparse.ArgumentTypeError(f"--rdzv-conf: {key!r} is not a setting; accepted: {', '.join(RDZV_CONF_KEYS)}")
+        if not number.strip().isdigit() or int(number) < 1:
+            raise argparse.ArgumentTypeError(f"--rdzv-conf: {item!r} is not valid; accepted: {key}=N with a whole N >= 1")
+        conf[key] = int(number)
+    if conf.get("keep_alive_max_attempt", 3) < 3:
+        # torch sends a heartbeat only once the last one is a whole interval old: every one to two intervals
+        raise argparse.ArgumentTypeError(
+            f"--rdzv-conf: keep_alive_max_attempt={conf['keep_alive_max_attempt']} would take live nodes for gone"
+            " (a node's heartbeat comes every one to two keep_alive_interval); accepted: 3 or more"
+        )
+    if not conf:
+        raise argparse.ArgumentTypeError(f"--rdzv-conf={value!r} sets nothing; accepted: KEY=N[,KEY=N] with KEY one of {', '.join(RDZV_CONF_KEYS)}")
+    return conf
 
 
 def _seconds(value: str) -> float:
@@ -132,12 +161,14 @@ def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
             " Default: 1."),
         ),
         ("num_nodes", ("--num-nodes", "--num_nodes"), dict(
-            type=_positive_int("--num-nodes"), default=1, metavar="N",
-            help="Number of machines (nodes) in the job. Default: 1."),
+            type=_node_count, default=(1, 1), metavar="N|MIN:MAX",
+            help="Number of machines (nodes) in the job, or a range MIN:MAX (elastic: with --max-restarts, the job"
+            " goes on with the nodes left after one is lost, at least MIN, and takes up to MAX). Default: 1."),
         ),
         ("node_rank", ("--node-rank", "--node_rank"), dict(
             type=_non_negative_int("--node-rank"), default=0, metavar="R",
-            help="Index of this machine, 0 .. num_nodes-1 (run the command once per machine). Default: 0."),
+            help="Index of this machine, 0 .. num_nodes-1 (run the command once per machine); with MIN:MAX nodes it"
+            " orders the machines and 0 marks the one at --main-address. Default: 0."),
         ),
         ("main_address", ("--main-address", "--main_address"), dict(
             default=DEFAULT_MAIN_ADDRESS, metavar="HOST",
@@ -158,6 +189,12 @@ def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
             default=None, metavar="ID",
             help="With --max-restarts and several nodes: the job's id in the nodes' rendezvous, the same on"
             " every node. Default: derived from --main-address and --main-port."),
+        ),
+        ("rdzv_conf", ("--rdzv-conf", "--rdzv_conf"), dict(
+            type=_rdzv_conf, default=None, metavar="KEY=N,...",
+            help="Settings of the nodes' rendezvous, as torchrun's: join_timeout (600 s), last_call_timeout (how long"
+            " to wait for more nodes once MIN have joined; 30 s), close_timeout (30 s), keep_alive_interval (5 s)"
+            " and keep_alive_max_attempt (3: a node silent for 3 x 5 s is gone)."),
         ),
         ("shutdown_timeout", ("--shutdown-timeout", "--shutdown_timeout"), dict(
             type=_seconds, default=None, metavar="S",
@@ -252,7 +289,7 @@ class RunConfig:
     accelerator: str | None
     strategy: str | None
     devices: str
-    num_nodes: int
+    num_nodes: int  # the most machines the job runs on (MAX of MIN:MAX)
     node_rank: int
     main_address: str
     main_port: int | None
@@ -261,6 +298,18 @@ class RunConfig:
     max_restarts: int = 0
     rdzv_id: str | None = None
     shutdown_timeout: float | None = None  # None: the supervisor's default
+    min_nodes: int | None = None  # the fewest machines it goes on with (MIN of MIN:MAX); None: num_nodes
+    rdzv_conf: dict[str, int] | None = None  # --rdzv-conf
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the number of machines may change between attempts (``--num-nodes MIN:MAX``)."""
+        return self.min_nodes is not None and self.min_nodes < self.num_nodes
+
+    @property
+    def node_rendezvous(self) -> bool:
+        """Whether the nodes meet in torch's elastic rendezvous: they restart together, or their number varies."""
+        return self.num_nodes > 1 and (self.max_restarts > 0 or self.elastic)
 
 
 def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> RunConfig:
@@ -270,15 +319,20 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
     ours, script, rest = _split_argv(argv, set(flag_to_dest))
     args = parser.parse_args([*ours, "--", script] if script is not None else ours)
     given = frozenset(flag_to_dest[token.split("=", 1)[0]] for token in ours if token.split("=", 1)[0] in flag_to_dest)
-    if args.node_rank >= args.num_nodes:
-        parser.error(
-            f"--node-rank={args.node_rank} is not valid with --num-nodes={args.num_nodes};"
-            f" accepted: 0 .. {args.num_nodes - 1}"
-        )
-    if args.rdzv_id is not None and not (args.max_restarts and args.num_nodes > 1 and args.rdzv_id.strip()):
+    min_nodes, num_nodes = args.num_nodes
+    nodes_given = str(num_nodes) if min_nodes == num_nodes else f"{min_nodes}:{num_nodes}"
+    if args.node_rank >= num_nodes:
+        parser.error(f"--node-rank={args.node_rank} is not valid with --num-nodes={nodes_given}; accepted: 0 .. {num_nodes - 1}")
+    rendezvous = num_nodes > 1 and (args.max_restarts > 0 or min_nodes < num_nodes)
+    if args.rdzv_id is not None and not (rendezvous and args.rdzv_id.strip()):
         parser.error(
             f"--rdzv-id={args.rdzv_id!r} is not used here; accepted: a non-empty id, with --num-nodes > 1 and"
-            " --max-restarts >= 1 (the nodes' rendezvous exists only then)"
+            " --max-restarts >= 1, or --num-nodes MIN:MAX (the nodes' rendezvous exists only then)"
+        )
+    if args.rdzv_conf is not None and not rendezvous:
+        parser.error(
+            "--rdzv-conf is not used here; accepted with --num-nodes > 1 and --max-restarts >= 1, or --num-nodes MIN:MAX"
+            " (the nodes' rendezvous exists only then)"
         )
     if not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} does not exist (or is not a file)")
@@ -296,7 +350,7 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
         accelerator=args.accelerator,
         strategy=args.strategy,
         devices=args.devices,
-        num_nodes=args.num_nodes,
+        num_nodes=num_nodes,
         node_rank=args.node_rank,
         main_address=args.main_address.strip(),
         main_port=args.main_port,
@@ -305,4 +359,6 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
         max_restarts=args.max_restarts,
         rdzv_id=args.rdzv_id,
         shutdown_timeout=args.shutdown_timeout,
+        min_nodes=min_nodes,
+        rdzv_conf=args.rdzv_conf,
     )

@@ -197,8 +197,16 @@ def test_the_core_and_the_environments_import_no_torch() -> None:
         (["--accelerator", "cpu", "--devices", "0,1"], ["--devices='0,1'", "--accelerator=cpu", "number of processes"]),
         (["--accelerator", "cpu", "--devices", "-1"], ["--devices='-1'", "--accelerator=cpu"]),
         (["--accelerator", "mps", "--devices", "2"], ["--devices='2'", "one MPS device"]),
-        (["--num-nodes", "0"], ["'0'", "integer >= 1"]),
+        (["--num-nodes", "0"], ["'0'", "number of machines >= 1", "MIN:MAX"]),
+        (["--num-nodes", "3:2"], ["'3:2'", "1 <= MIN <= MAX"]),
+        (["--num-nodes", "0:2"], ["'0:2'", "1 <= MIN <= MAX"]),
+        (["--num-nodes", "1:2:3"], ["'1:2:3'", "MIN:MAX"]),
         (["--num-nodes", "2", "--node-rank", "2"], ["--node-rank=2", "0 .. 1"]),
+        (["--num-nodes", "1:2", "--node-rank", "2"], ["--node-rank=2", "--num-nodes=1:2", "0 .. 1"]),
+        (["--num-nodes", "1:2", "--rdzv-conf", "last_call=2"], ["'last_call'", "last_call_timeout", "keep_alive_interval"]),
+        (["--num-nodes", "1:2", "--rdzv-conf", "last_call_timeout=0"], ["'last_call_timeout=0'", "whole N >= 1"]),
+        (["--num-nodes", "2", "--rdzv-conf", "join_timeout=5"], ["--rdzv-conf is not used here", "MIN:MAX"]),
+        (["--num-nodes", "1:2", "--rdzv-conf", "keep_alive_max_attempt=2"], ["keep_alive_max_attempt=2", "3 or more"]),
         (["--node-rank", "1"], ["--node-rank=1", "0 .. 0"]),
         (["--main-port", "70000"], ["'70000'", "1..65535"]),
         (["--shutdown-timeout", "-1"], ["--shutdown-timeout='-1'", "seconds >= 0"]),
@@ -245,6 +253,18 @@ def test_options_before_and_after_script_and_the_double_dash() -> None:
     assert config.given == {"devices", "num_nodes"}
     config = run_options.parse_run_args(["--", str(RANKS_ENV), "-v"])
     assert config.script == str(RANKS_ENV) and config.script_args == ["-v"] and config.given == set()
+
+
+@pytest.mark.timeout(10)
+def test_an_elastic_node_range_and_the_rendezvous_settings() -> None:
+    config = run_options.parse_run_args(["--num-nodes", "1:4", "--node-rank", "3", "--rdzv-conf",
+                                         "last_call_timeout=2, keep_alive_interval=1", str(RANKS_ENV)])
+    assert (config.min_nodes, config.num_nodes, config.elastic, config.node_rendezvous) == (1, 4, True, True)
+    assert config.rdzv_conf == {"last_call_timeout": 2, "keep_alive_interval": 1}
+    fixed = run_options.parse_run_args(["--num-nodes", "2:2", str(RANKS_ENV)])
+    assert (fixed.min_nodes, fixed.num_nodes, fixed.elastic, fixed.node_rendezvous) == (2, 2, False, False)
+    restarting = run_options.parse_run_args(["--num-nodes", "2", "--max-restarts", "1", str(RANKS_ENV)])
+    assert (restarting.elastic, restarting.node_rendezvous) == (False, True)
 
 
 @pytest.mark.timeout(10)
