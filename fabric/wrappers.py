@@ -306,7 +306,8 @@ class FabricDataLoader:
 
     It is also stateful (``fabric.checkpoint``'s ``CheckedStateful``). A loader with a state of its own
     (``state_dict``/``load_state_dict``: torchdata's ``StatefulDataLoader``, litdata's
-    ``StreamingDataLoader``) keeps it: its state is what a checkpoint holds, as in Lightning Fabric. A plain
+    ``StreamingDataLoader``) keeps it: its state is what a checkpoint holds, as in Lightning Fabric, and every
+    rank's is kept beside it (``SavedRanksStateful``) for a load by another number of processes. A plain
     DataLoader gets ours, so a run stopped mid-epoch can resume exactly (``docs/resume.md``): where this
     rank is in the data together with its random generator states (``PerRankStateful``); loading it
     restores the generators and makes the next iteration continue at that epoch after the consumed
@@ -316,12 +317,25 @@ class FabricDataLoader:
     def __init__(self, dataloader: Any, device: torch.device | None = None, *, rank: int = 0, world_size: int = 1) -> None:
         self._dataloader = dataloader
         self._device = device
-        self._progress = LoaderOwnState(dataloader) if is_stateful(dataloader) else LoaderProgress(dataloader, rank, world_size)
+        self._progress: LoaderOwnState | LoaderProgress = (
+            LoaderOwnState(dataloader, rank, world_size) if is_stateful(dataloader) else LoaderProgress(dataloader, rank, world_size)
+        )
 
     @property
     def per_rank_state(self) -> bool:
         """Whether Fabric.save gathers this loader's state from every rank (our position: random states differ)."""
         return isinstance(self._progress, LoaderProgress)
+
+    @property
+    def saved_ranks_beside(self) -> bool:
+        """Whether the entry is the wrapped loader's own state, with every rank's kept beside it (``SavedRanksStateful``)."""
+        return isinstance(self._progress, LoaderOwnState)
+
+    def state_from_saved_ranks(self, entry: Any, states: list[Any]) -> Any:
+        """The wrapped loader's state for this rank, from every saving rank's; ValueError if it cannot take them."""
+        if isinstance(self._progress, LoaderOwnState):
+            return self._progress.state_from_saved_ranks(entry, states)
+        return entry
 
     @property
     def device(self) -> torch.device | None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.stateful import checks_state
+from fabric.checkpoint.stateful import SAVED_RANKS_KEY, checks_state, keeps_saved_ranks
 from fabric.utilities.exceptions import CheckpointMismatchError
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "check_optimizer_fits",
     "check_optimizer_state_fits",
     "check_optimizer_state_shapes",
+    "check_saved_ranks",
     "check_state_dict_fits",
     "check_stateful_entry",
     "tensor_shapes",
@@ -52,6 +54,39 @@ def check_stateful_entry(key: str, obj: Any, saved: Any) -> None:
         obj.check_state_dict(saved)
     except ValueError as err:
         raise CheckpointMismatchError(f"state[{key!r}]: {err}") from None
+
+
+def check_saved_ranks(present: dict[str, Any], saved_entry: Callable[[str], Any], record: Any) -> dict[str, Any]:
+    """For each ``SavedRanksStateful`` entry of ``present`` that ``record`` (the checkpoint's ``SAVED_RANKS_KEY``
+    entry) holds, the state it loads on this rank; raise (naming ``state[key]``) if none fits.
+
+    ``saved_entry(key)`` is the entry as written (rank 0's state).
+    """
+    keys = [key for key, obj in present.items() if keeps_saved_ranks(obj)]
+    if not keys:
+        return {}
+    states = record.get("states") if isinstance(record, dict) else None
+    world_size = record.get("world_size") if isinstance(record, dict) else None
+    if not isinstance(states, dict) or isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointMismatchError(
+            f"The checkpoint's record of the saving processes ({SAVED_RANKS_KEY!r}) is not"
+            " {'world_size': int >= 1, 'states': {key: [one state per rank]}}; was it written by fabric?"
+        )
+    resolved = {}
+    for key in keys:
+        if key not in states:
+            continue  # saved as something else (a plain value, a loader without a state of its own)
+        saved = states[key]
+        if not isinstance(saved, list) or len(saved) != world_size:
+            count = len(saved) if isinstance(saved, list) else type(saved).__name__
+            raise CheckpointMismatchError(
+                f"state[{key!r}]: the checkpoint keeps {count} rank state(s) for it, but says {world_size} process(es) saved it"
+            )
+        try:
+            resolved[key] = present[key].state_from_saved_ranks(saved_entry(key), saved)
+        except ValueError as err:
+            raise CheckpointMismatchError(f"state[{key!r}]: {err}") from None
+    return resolved
 
 
 def check_entry(key: str, obj: Any, saved: Any, strict: bool) -> None:

@@ -19,6 +19,7 @@ import torch
 from fabric.checkpoint.per_rank import PER_RANK_KEY, is_per_rank_record, state_of_rank
 from fabric.checkpoint.random_state import capture_random_state, check_random_state, restore_random_state
 from fabric.checkpoint.resize import derived_seed, epoch_order, order_record, rank_share, seed_everything_derived
+from fabric.checkpoint.stateful import is_resizable
 from fabric.utilities.data import loader_arguments
 from fabric.utilities.exceptions import CheckpointMismatchError
 from fabric.utilities.seed import global_seed_from_environment
@@ -149,10 +150,15 @@ class LoaderOwnState:
 
     A checkpoint then holds what the loader's ``state_dict()`` returns, as Lightning Fabric writes it, so
     checkpoints move between the two. Only the sampler's epoch is advanced here, as for any set-up loader.
+    Such a state may belong to one rank (a position in its shard), so the checkpoint also keeps every
+    rank's beside the entry (``SavedRanksStateful``): a load by another number of processes hands them to
+    the loader's ``resized_state_dict`` (``ResizableStateful``), or is refused if it has none.
     """
 
-    def __init__(self, dataloader: Any) -> None:
+    def __init__(self, dataloader: Any, rank: int = 0, world_size: int = 1) -> None:
         self._dataloader = dataloader
+        self._rank = rank
+        self._world_size = world_size
         self._num_iter_calls = 0
 
     def iterate(self) -> Iterator[Any]:
@@ -174,6 +180,23 @@ class LoaderOwnState:
                 f" ({type(self._dataloader).__name__}) keeps a state of its own; load a checkpoint saved from this kind of loader"
             )
         return state_dict
+
+    def state_from_saved_ranks(self, entry: Any, states: list[Any]) -> Any:
+        """The state this rank loads: ``entry`` on the number of processes that saved it (as Lightning Fabric
+        loads it); on another, what the loader's ``resized_state_dict`` makes of every saving rank's state."""
+        saved, here = len(states), self._world_size
+        if saved == here:
+            return entry
+        name = type(self._dataloader).__name__
+        if not is_resizable(self._dataloader):
+            raise CheckpointMismatchError(
+                f"the loader's state was saved by {saved} process(es) and this run has {here}, but {name} cannot take"
+                " a state saved by another number of processes (its state may be one rank's place in the data)."
+                f" Give {name} a method resized_state_dict(states, world_size, rank) that makes this rank's state from"
+                " every saving rank's (fabric.checkpoint.ResizableStateful), or leave the loader out of the state you"
+                " load to start the epoch afresh"
+            )
+        return self._dataloader.resized_state_dict(list(states), here, self._rank)
 
 
 # ---- skipping consumed batches without loading them ------------------------------------------------

@@ -2,6 +2,11 @@
 
 Saving gathers each such object's state from every rank into ``{"per_rank": [rank 0's, rank 1's, ...]}``;
 loading hands the object that record, and :func:`state_of_rank` picks this rank's entry.
+
+A ``SavedRanksStateful`` object (a set-up loader with a state of its own) keeps its entry as its own
+``state_dict()``, the format Lightning Fabric writes; the same gather puts every rank's state, with the
+number of processes, beside the entries under ``SAVED_RANKS_KEY``, so that a load by another number of
+processes can still hand the object what each saving rank had.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fabric.checkpoint.stateful import has_per_rank_state
+from fabric.checkpoint.state import StateFilter, filtered
+from fabric.checkpoint.stateful import SAVED_RANKS_KEY, has_per_rank_state, keeps_saved_ranks
 from fabric.utilities.exceptions import CheckpointMismatchError
 
 __all__ = ["PER_RANK_KEY", "gather_per_rank_states", "is_per_rank_record", "state_of_rank"]
@@ -27,20 +33,30 @@ def is_per_rank_record(value: Any) -> bool:
 
 
 def gather_per_rank_states(
-    state: dict[str, Any], all_gather: Callable[[Tensor], Tensor], world_size: int
+    state: dict[str, Any], all_gather: Callable[[Tensor], Tensor], world_size: int, filter: StateFilter | None = None
 ) -> dict[str, Any]:
-    """Replace each ``PerRankStateful`` object of ``state`` by ``{"per_rank": [its state on every rank]}``.
+    """Replace each ``PerRankStateful`` object of ``state`` by ``{"per_rank": [its state on every rank]}``, and
+    each ``SavedRanksStateful`` one by its own state, with every rank's kept under ``SAVED_RANKS_KEY``
+    (``filter``, as ``Fabric.save`` got it, applied to those as to the entries).
 
     A collective: every rank must call it with the same keys (``Fabric.save`` is called on every rank).
     """
-    keys = [key for key, value in state.items() if has_per_rank_state(value)]
-    if not keys:
+    per_rank = [key for key, value in state.items() if has_per_rank_state(value)]
+    beside = [key for key, value in state.items() if keeps_saved_ranks(value)]
+    if not per_rank and not beside:
         return state
-    local = {key: state[key].state_dict() for key in keys}
+    if beside and SAVED_RANKS_KEY in state:
+        raise ValueError(f"state[{SAVED_RANKS_KEY!r}]: the name is the checkpoint's own record of the saving processes; use another key")
+    local = {key: state[key].state_dict() for key in per_rank + beside}
     everyone = _gather_objects(local, all_gather, world_size)
     gathered = dict(state)
-    for key in keys:
+    for key in per_rank:
         gathered[key] = {PER_RANK_KEY: [states[key] for states in everyone]}
+    for key in beside:
+        gathered[key] = local[key]
+    if beside:
+        kept = {key: [filtered(key, states[key], filter) for states in everyone] for key in beside}
+        gathered[SAVED_RANKS_KEY] = {"world_size": world_size, "states": kept}
     return gathered
 
 
@@ -59,7 +75,11 @@ def state_of_rank(value: Any, rank: int, world_size: int, what: str) -> Any:
 
 
 def _gather_objects(obj: Any, all_gather: Callable[[Tensor], Tensor], world_size: int) -> list[Any]:
-    """``obj`` from every rank, in rank order, through tensor collectives (works for any strategy)."""
+    """``obj`` from every rank, in rank order, through tensor collectives (works for any strategy).
+
+    The bytes are unpickled in full: they come from this job's own ranks, and a user's loader state may
+    hold types that ``weights_only`` refuses (a save must not fail where it did not before).
+    """
     if world_size == 1:
         return [obj]
     buffer = io.BytesIO()
@@ -70,6 +90,6 @@ def _gather_objects(obj: Any, all_gather: Callable[[Tensor], Tensor], world_size
     padded[: payload.numel()] = payload
     rows = all_gather(padded).reshape(world_size, -1).cpu()
     return [
-        torch.load(io.BytesIO(rows[rank, :size].numpy().tobytes()), weights_only=True)
+        torch.load(io.BytesIO(rows[rank, :size].numpy().tobytes()), weights_only=False)
         for rank, size in enumerate(sizes)
     ]

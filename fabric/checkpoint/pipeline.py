@@ -30,6 +30,7 @@ from fabric.checkpoint.async_save import save_in_background, wait_for_pending_sa
 from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
+from fabric.checkpoint.stateful import SAVED_RANKS_KEY
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from fabric.plugins.io.publish import is_sharded_checkpoint
 from fabric.plugins.io.single_file import CheckpointLoadError
@@ -90,7 +91,7 @@ def save(
     write's outcome comes with the next save or load); a failure is raised on every rank.
     """
     # the gather's tensors go to this rank's device: NCCL collectives take no CPU tensors
-    state = gather_per_rank_states(state, lambda tensor: host.all_gather(tensor.to(host.root_device)), host.world_size)
+    state = gather_per_rank_states(state, lambda tensor: host.all_gather(tensor.to(host.root_device)), host.world_size, filter)
     checkpoint_format = host.checkpoint_format
     if checkpoint_format != "file":
         if storage_options is not None:
@@ -127,6 +128,15 @@ def load(
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Restore ``state`` in place from ``path`` (a file or a folder of shards); return what it held beyond ``state``."""
+    rest = _load(host, path, state, strict=strict, weights_only=weights_only)
+    if isinstance(rest, dict):
+        rest.pop(SAVED_RANKS_KEY, None)  # the checkpoint's own record, not the user's
+    return rest
+
+
+def _load(
+    host: CheckpointHost, path: str | Path, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
     wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
     if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
         from fabric.checkpoint.sharded_folder import load_sharded

@@ -9,6 +9,10 @@ It goes in three steps, and the first two change nothing the user holds:
 3. apply: the read values go into their objects (modules, optimizers, Stateful objects) and replace plain
    values, and the rest of the checkpoint is returned.
 
+The checkpoint's own record of the saving processes (``SAVED_RANKS_KEY``) is read in step 1: a
+``SavedRanksStateful`` entry (a loader with a state of its own) says from it which state it loads on this
+rank, or why none fits, before anything changes. The record is never returned as part of the rest.
+
 After steps 1 and 2 the ranks agree (``agree``): if one rank failed, every rank raises and no rank
 changes anything, so a damaged or mismatched checkpoint never leaves replicas that differ. A format
 (single file, gathered full file, folder of shards) supplies the steps as an :class:`EntrySource`.
@@ -24,8 +28,8 @@ from typing import Any, Protocol, TypeVar
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.fit import check_entries_present
-from fabric.checkpoint.stateful import is_stateful
+from fabric.checkpoint.fit import check_entries_present, check_saved_ranks
+from fabric.checkpoint.stateful import SAVED_RANKS_KEY, is_stateful
 
 __all__ = ["Agreement", "EntrySource", "WholeFile", "restore"]
 
@@ -49,6 +53,10 @@ class EntrySource(Protocol):
 
     def check(self, present: dict[str, Any], strict: bool) -> None:
         """Raise ``CheckpointMismatchError`` if an entry does not fit its object in ``present``; reads no tensor data."""
+        ...
+
+    def saved_value(self, key: str) -> Any:
+        """The saved entry ``key``, neither a module nor an optimizer, as written (whole; no tensor data read)."""
         ...
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -77,6 +85,9 @@ class WholeFile:
             self._checkpoint = checkpoint
         return self._checkpoint
 
+    def saved_value(self, key: str) -> Any:
+        return self.keys()[key]
+
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Nothing more to read: the values of ``present``'s keys, and the rest."""
         rest = dict(self.keys())
@@ -86,21 +97,25 @@ class WholeFile:
 def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: Agreement) -> dict[str, Any]:
     """Load ``source`` into the objects of ``state`` (plain values are replaced); return what else it held."""
 
-    def check() -> dict[str, Any]:
-        saved = source.keys()
+    def check() -> tuple[dict[str, Any], dict[str, Any]]:
+        keys = source.keys()
+        saved = _entries(keys)
         check_entries_present(source.path, state, saved, strict)
         present = {key: obj for key, obj in state.items() if key in saved}
         source.check(present, strict)
-        return present
+        if SAVED_RANKS_KEY not in keys:
+            return present, {}
+        return present, check_saved_ranks(present, source.saved_value, source.saved_value(SAVED_RANKS_KEY))
 
-    present = agree(check, f"load the checkpoint {str(source.path)!r}")
+    present, this_rank = agree(check, f"load the checkpoint {str(source.path)!r}")
     if state and not present:
         warnings.warn(
             f"load(strict=False) found none of the keys {sorted(state)} in {str(source.path)!r}, which holds"
-            f" {sorted(source.keys())}: nothing was loaded",
+            f" {sorted(_entries(source.keys()))}: nothing was loaded",
             stacklevel=4,
         )
     values, rest = agree(lambda: source.read(present), f"read the checkpoint {str(source.path)!r}")
+    rest.pop(SAVED_RANKS_KEY, None)
     for key, obj in present.items():
         value = values[key]
         if isinstance(obj, Module):
@@ -108,7 +123,12 @@ def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: 
         elif isinstance(obj, Optimizer):
             source.load_optimizer(key, obj, value)
         elif is_stateful(obj):
-            obj.load_state_dict(value)
+            obj.load_state_dict(this_rank.get(key, value))
         else:
             state[key] = value
     return rest
+
+
+def _entries(keys: Collection[str]) -> list[str]:
+    """The checkpoint's entries of the user's state: its keys without its own record."""
+    return [key for key in keys if key != SAVED_RANKS_KEY]

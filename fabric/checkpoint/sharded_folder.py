@@ -202,6 +202,9 @@ class ShardedFolder:
     def keys(self) -> list[str]:
         return list(self.objects["skeleton"])
 
+    def saved_value(self, key: str) -> Any:
+        return self.objects["skeleton"][key]  # other entries stay whole in the skeleton
+
     def check(self, present: dict[str, Any], strict: bool) -> None:
         """Check each entry against the index; remember, per module/optimizer, the tensors to read."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions

@@ -13,6 +13,12 @@ An entry of the ``state`` dict given to ``Fabric.save``/``Fabric.load`` is one o
   - :class:`PerRankStateful` has ``per_rank_state`` True: its state differs between ranks (random
     generator states), so saving gathers every rank's state into the file (``per_rank.py``) and
     ``load_state_dict`` receives the record of all ranks and picks its own;
+  - :class:`SavedRanksStateful` has ``saved_ranks_beside`` True: its entry stays its own ``state_dict()``
+    (rank 0's, in a format it shares with Lightning Fabric), and saving keeps every rank's state and the
+    number of processes beside the entries (under :data:`SAVED_RANKS_KEY`); loading hands them to
+    ``state_from_saved_ranks``, before anything changes, for the state this rank loads. A set-up
+    dataloader with a state of its own is one: it asks the user's loader, a :class:`ResizableStateful`,
+    for this rank's state when the number of processes changed;
 * anything else: saved as it is; loading puts the saved value into the ``state`` dict.
 """
 
@@ -20,7 +26,24 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["CheckedStateful", "PerRankStateful", "Stateful", "checks_state", "has_per_rank_state", "is_stateful"]
+#: The checkpoint's own top-level entry beside the user's: ``{"world_size": N, "states": {key: [the state of
+#: each of the N saving ranks]}}`` for the :class:`SavedRanksStateful` entries. Only a checkpoint holding such
+#: an entry has it; one without (written by Lightning Fabric, or before this record existed) loads as before.
+SAVED_RANKS_KEY = "__fabric_saved_ranks__"
+
+__all__ = [
+    "SAVED_RANKS_KEY",
+    "CheckedStateful",
+    "PerRankStateful",
+    "ResizableStateful",
+    "SavedRanksStateful",
+    "Stateful",
+    "checks_state",
+    "has_per_rank_state",
+    "is_resizable",
+    "is_stateful",
+    "keeps_saved_ranks",
+]
 
 
 @runtime_checkable
@@ -47,6 +70,41 @@ class PerRankStateful(Stateful, Protocol):
     per_rank_state: bool
 
 
+class SavedRanksStateful(Stateful, Protocol):
+    """A Stateful object whose entry must stay its own ``state_dict()`` (rank 0's), and which still needs
+    every rank's state on a load by another number of processes; the checkpoint keeps those beside the entries."""
+
+    saved_ranks_beside: bool
+
+    def state_from_saved_ranks(self, entry: Any, states: list[Any]) -> Any:
+        """The state to load on this rank, given the saved ``entry`` and ``states``, every saving rank's
+        ``state_dict()`` in rank order (as many as processes saved it).
+
+        Called before anything is loaded (it changes nothing); raises ValueError if no state fits this rank.
+        """
+        ...
+
+
+@runtime_checkable
+class ResizableStateful(Stateful, Protocol):
+    """A user's stateful loader that can continue from a state saved by another number of processes.
+
+    A loader whose state is per rank (its position in this rank's shard, say) cannot simply take rank 0's
+    state on another number of processes: it has to be told what every saving rank had and how the new
+    job is laid out. ``Fabric.load`` calls this only when the number of processes differs; on the same
+    number, ``load_state_dict`` gets the saved entry as always.
+    """
+
+    def resized_state_dict(self, states: list[Any], world_size: int, rank: int) -> Any:
+        """This rank's state in a job of ``world_size`` processes, made from ``states``: the ``state_dict()``
+        of each of the ``len(states)`` processes that saved it, in rank order.
+
+        Called before anything is loaded, so it must change nothing; raise ValueError if the job cannot
+        continue from these states on ``world_size`` processes. What it returns goes to ``load_state_dict``.
+        """
+        ...
+
+
 def is_stateful(obj: Any) -> bool:
     """Whether ``obj`` follows :class:`Stateful` (both methods callable; classes themselves do not count)."""
     if isinstance(obj, type):
@@ -62,3 +120,13 @@ def checks_state(obj: Any) -> bool:
 def has_per_rank_state(obj: Any) -> bool:
     """Whether ``obj`` declares ``per_rank_state = True`` (:class:`PerRankStateful`)."""
     return is_stateful(obj) and getattr(obj, "per_rank_state", False) is True
+
+
+def keeps_saved_ranks(obj: Any) -> bool:
+    """Whether ``obj`` declares ``saved_ranks_beside = True`` (:class:`SavedRanksStateful`)."""
+    return is_stateful(obj) and getattr(obj, "saved_ranks_beside", False) is True and callable(getattr(obj, "state_from_saved_ranks", None))
+
+
+def is_resizable(obj: Any) -> bool:
+    """Whether ``obj`` declares ``resized_state_dict`` (:class:`ResizableStateful`)."""
+    return is_stateful(obj) and callable(getattr(obj, "resized_state_dict", None))
