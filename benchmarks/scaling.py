@@ -10,13 +10,19 @@ the CPU (gloo on loopback):
 * **sharded save** and **sharded load** of a fixed-size model (``--size-mb``, sharded with FSDP over the N
   ranks, with its Adam state), as rank 0 times them between barriers.
 
+With ``--nodes K ...`` the same N ranks are K "nodes" of ``--per-node`` ranks each: K separate
+``python -m fabric run --num-nodes K --node-rank i`` launches on loopback (started together), the
+restart going through the nodes' rendezvous (``--max-restarts 1``: the killed rank's node stops its
+ranks and waits for the next round, the others see it waiting, stop theirs and join).
+
 Rows go to stdout and to ``--out`` (JSON); ``--plot FILE.png`` draws the curves. On a 2-core machine the
 N processes share two cores, so what grows with N is mostly CPU time that a machine with N cores runs in
 parallel (each process imports torch, ~2 CPU-seconds); the time per rank (total / N) tells whether
 anything of ours grows faster than linearly.
 
     python benchmarks/scaling.py [--ranks 2 4 8 16 32] [--size-mb 32] [--out scaling.json] [--plot scaling.png]
-    python benchmarks/scaling.py --replot scaling.json --plot scaling.png
+    python benchmarks/scaling.py --nodes 2 4 8 16 --per-node 2 [--out scaling_nodes.json] [--plot scaling_nodes.png]
+    python benchmarks/scaling.py --replot scaling.json scaling_nodes.json --plot scaling.png
 """
 
 from __future__ import annotations
@@ -78,79 +84,113 @@ JOB = textwrap.dedent(
 )
 
 
-def fabric_run(ranks: int, script: Path, *args: str, restarts: int = 0, timeout: float = 900) -> float:
-    """Run ``script`` as an N-rank job; return the wall time at which the command was started."""
+def fabric_run(ranks: int, script: Path, *args: str, restarts: int = 0, nodes: int = 1, timeout: float = 900) -> float:
+    """Run ``script`` as an N-rank job (``nodes`` launches of N / nodes ranks); return when the first was started."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "fabric", "run", "--accelerator", "cpu", "--devices", str(ranks)]
+    per_node = ranks // nodes
+    command = [sys.executable, "-m", "fabric", "run", "--accelerator", "cpu", "--devices", str(per_node)]
     if restarts:
         command += ["--max-restarts", str(restarts)]
+    if nodes > 1:
+        command += ["--num-nodes", str(nodes), "--main-port", str(_free_port())]
     started = time.time()
-    result = subprocess.run([*command, str(script), *args], env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f"{ranks}-rank job failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    launches = [subprocess.Popen([*command, *(["--node-rank", str(node)] if nodes > 1 else []), str(script), *args],
+                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for node in range(nodes)]
+    failures = []
+    for node, launch in enumerate(launches):
+        _, err = launch.communicate(timeout=timeout)
+        if launch.returncode != 0:
+            failures.append(f"node {node} ({launch.returncode}):\n{err[-3000:]}")
+    if failures:
+        raise RuntimeError(f"{ranks}-rank job failed: " + "\n".join(failures))
     return started
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def last_past_first_collective(folder: Path, mode: str, attempt: int, ranks: int) -> float:
     return max(json.loads((folder / f"{mode}-{attempt}-rank{rank}.json").read_text())["past_first_collective"] for rank in range(ranks))
 
 
-def measure(ranks: int, size_mb: int) -> dict[str, float]:
+def measure(ranks: int, size_mb: int, nodes: int = 1) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"scaling-{ranks}-") as name:
         folder = Path(name)
         script = folder / "job.py"
         script.write_text(JOB)
-        started = fabric_run(ranks, script, str(folder), "start", "1")
+        started = fabric_run(ranks, script, str(folder), "start", "1", nodes=nodes)
         start = last_past_first_collective(folder, "start", 0, ranks) - started
-        fabric_run(ranks, script, str(folder), "restart", "1", restarts=1)
+        fabric_run(ranks, script, str(folder), "restart", "1", restarts=1, nodes=nodes)
         killed = json.loads((folder / "killed.json").read_text())["at"]
         restart = last_past_first_collective(folder, "restart", 1, ranks) - killed
-        fabric_run(ranks, script, str(folder), "checkpoint", str(size_mb))
+        fabric_run(ranks, script, str(folder), "checkpoint", str(size_mb), nodes=nodes)
         checkpoint = json.loads((folder / "checkpoint.json").read_text())
-    return {"ranks": ranks, "start_s": start, "restart_s": restart, "save_s": checkpoint["save"], "load_s": checkpoint["load"]}
+    return {"ranks": ranks, "nodes": nodes, "start_s": start, "restart_s": restart, "save_s": checkpoint["save"],
+            "load_s": checkpoint["load"]}
 
 
 def plot(rows: list[dict[str, float]], path: str) -> None:
+    """Each measure against ranks: one launch solid, K node launches (rows with ``nodes`` > 1) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ranks = [row["ranks"] for row in rows]
-    figure, (total, per_rank) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, label in (("start_s", "start to first collective"), ("restart_s", "kill to first collective after restart"),
-                       ("save_s", "sharded save"), ("load_s", "sharded load")):
-        total.plot(ranks, [row[key] for row in rows], marker="o", label=label)
-        per_rank.plot(ranks, [row[key] / row["ranks"] for row in rows], marker="o", label=label)
+    figure, (total, per_rank) = plt.subplots(1, 2, figsize=(11, 4.5))
+    measures = (("start_s", "start to first collective"), ("restart_s", "kill to first collective after restart"),
+                ("save_s", "sharded save"), ("load_s", "sharded load"))
+    launches = (("one launch", [row for row in rows if row.get("nodes", 1) == 1], "-", "o"),
+                ("a launch per node of 2", [row for row in rows if row.get("nodes", 1) > 1], "--", "s"))
+    for index, (key, label) in enumerate(measures):
+        color = f"C{index}"
+        for how, chosen, style, marker in launches:
+            if chosen:
+                ranks = [row["ranks"] for row in chosen]
+                name = f"{label} ({how})"
+                total.plot(ranks, [row[key] for row in chosen], style, color=color, marker=marker, label=name)
+                per_rank.plot(ranks, [row[key] / row["ranks"] for row in chosen], style, color=color, marker=marker)
     total.set_yscale("log")  # with log ranks too: linear growth is a line of slope 1
+    ticks = sorted({row["ranks"] for row in rows})
     for axes, title in ((total, "seconds (log scale)"), (per_rank, "seconds per rank")):
         axes.set_xscale("log", base=2)
-        axes.set_xticks(ranks, [str(n) for n in ranks])
+        axes.set_xticks(ticks, [str(n) for n in ticks])
         axes.set_xlabel("ranks (processes on one 2-core machine)")
         axes.set_title(title)
         axes.grid(alpha=0.3)
-    total.legend(fontsize=8)
-    figure.tight_layout()
+    figure.legend(*total.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7)
+    figure.tight_layout(rect=(0, 0.22, 1, 1))
     figure.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--nodes", type=int, nargs="+", default=None,
+                        help="measure K launches of --per-node ranks each (nodes on loopback) instead of one launch")
+    parser.add_argument("--per-node", type=int, default=2)
     parser.add_argument("--size-mb", type=int, default=32)
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
-    parser.add_argument("--replot", default=None, help="draw --plot from the rows of an earlier --out file, running nothing")
+    parser.add_argument("--replot", nargs="+", default=None,
+                        help="draw --plot from the rows of earlier --out files (one launch, nodes), running nothing")
     args = parser.parse_args()
     if args.replot:
-        plot(json.loads(Path(args.replot).read_text()), args.plot)
+        plot([row for name in args.replot for row in json.loads(Path(name).read_text())], args.plot)
         return
     rows = []
-    print(f"{'ranks':>5s} {'start s':>8s} {'restart s':>9s} {'save s':>7s} {'load s':>7s}")
-    for ranks in args.ranks:
-        row = measure(ranks, args.size_mb)
+    shapes = [(nodes * args.per_node, nodes) for nodes in args.nodes] if args.nodes else [(ranks, 1) for ranks in args.ranks]
+    print(f"{'ranks':>5s} {'nodes':>5s} {'start s':>8s} {'restart s':>9s} {'save s':>7s} {'load s':>7s}")
+    for ranks, nodes in shapes:
+        row = measure(ranks, args.size_mb, nodes)
         rows.append(row)
-        print(f"{ranks:5d} {row['start_s']:8.2f} {row['restart_s']:9.2f} {row['save_s']:7.2f} {row['load_s']:7.2f}", flush=True)
+        print(f"{ranks:5d} {nodes:5d} {row['start_s']:8.2f} {row['restart_s']:9.2f} {row['save_s']:7.2f} {row['load_s']:7.2f}",
+              flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     if args.plot:
