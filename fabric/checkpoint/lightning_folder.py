@@ -14,6 +14,7 @@ that memory, consolidate once and re-save with fabric.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from fabric.plugins.io.publish import INDEX_FILE
-from fabric.plugins.io.single_file import CheckpointLoadError, safe_load
+from fabric.plugins.io.single_file import CheckpointLoadError, UnsafeCheckpointError, _weights_only_reason, safe_load
 
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's file of non-tensor entries beside the shards
 
@@ -65,6 +66,9 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
         with _quiet_single_process():
             dcp.load(flat, storage_reader=SafeFileSystemReader(folder), planner=planner, no_dist=True)
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
+        refused = [inner for inner in _failures(err) if isinstance(inner, UnsafeCheckpointError)]
+        if refused:
+            raise UnsafeCheckpointError(f"Checkpoint {str(folder)!r}: {refused[0]}") from None
         raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
     # tensors were read in place; dcp.load hands the planner a copy of the dict, where the other items went
     flat.update({key: planner.state_dict[key] for key, value in flat.items() if value is None})
@@ -88,11 +92,22 @@ class _SafeBytesPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             self.state_dict[fqn] = torch.load(value, weights_only=self._safe)
-        except Exception as err:
-            raise CheckpointLoadError(
+        except pickle.UnpicklingError as err:
+            reason = _weights_only_reason(err)
+            if not self._safe or reason is None:
+                raise
+            raise UnsafeCheckpointError(
                 f"the entry {fqn!r} holds an object that can only be restored by running pickled code, which is refused"
-                f" by default (load with weights_only=False if you trust the checkpoint): {str(err).splitlines()[0]}"
+                f" by default (load with weights_only=False if you trust the checkpoint): {reason}"
             ) from None
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    """The errors inside torch's ``CheckpointException`` (one per failed rank), or ``err`` itself."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return [err]
+    return [inner[0] if isinstance(inner, tuple) else inner for inner in failures.values()]
 
 
 def _unflatten(flat: dict[str, Any], paths: dict[str, Iterable[Any]]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from fabric import Fabric
 from fabric.checkpoint.lightning_folder import is_lightning_folder
 from fabric.checkpoint.sharded_folder import load_sharded
 from fabric.plugins.io.safe_reader import read_index
-from fabric.plugins.io.single_file import CheckpointLoadError
+from fabric.plugins.io.single_file import CheckpointLoadError, UnsafeCheckpointError
 from support.dcp_jobs import run_job
 from support.environment import clean_env
 
@@ -157,6 +157,6 @@ def test_pickled_objects_are_refused_unless_the_caller_opts_out(tmp_path):
     assert isinstance(load_sharded(tmp_path / "meta", weights_only=False)["thing"], Opaque)
     # a non-tensor item of the shards themselves (torch would unpickle it with weights_only=False)
     write_lightning_layout(tmp_path / "item", model, optimizer, {"step": 7}, extra={"thing": Opaque()})
-    with pytest.raises(CheckpointLoadError, match="weights_only=False"):
+    with pytest.raises(UnsafeCheckpointError, match="weights_only=False"):
         load_sharded(tmp_path / "item")
     assert isinstance(load_sharded(tmp_path / "item", weights_only=False)["extra"]["thing"], Opaque)
