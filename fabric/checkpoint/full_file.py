@@ -92,8 +92,15 @@ class FullFile(WholeFile):
     """A full checkpoint file as an ``EntrySource``: whole tensors, handed to sharded objects (each rank
     keeps its part) through torch's distributed state-dict API."""
 
-    def __init__(self, path: str | Path, state: dict[str, Any], weights_only: bool | None) -> None:
-        super().__init__(path, lambda: safe_load(path, map_location="cpu", weights_only=weights_only))
+    def __init__(
+        self,
+        path: str | Path,
+        state: dict[str, Any],
+        weights_only: bool | None,
+        read_file: Callable[[], Any] | None = None,
+    ) -> None:
+        """``read_file``: what reads the whole checkpoint (default: the file at ``path``, safely)."""
+        super().__init__(path, read_file or (lambda: safe_load(path, map_location="cpu", weights_only=weights_only)))
         self._state = state
         self._named: dict[str, Any] = {}  # optimizer entries renamed after this job's parameter names
 

@@ -155,6 +155,18 @@ def load_sharded(
         from fabric.checkpoint.full_file import load_full
 
         return load_full(path, state, strict=strict, weights_only=weights_only)
+    from fabric.checkpoint.lightning_folder import is_lightning_folder
+
+    if is_lightning_folder(path):  # Lightning Fabric's layout: read whole, then loaded as a full file is
+        from fabric.checkpoint.full_file import FullFile
+        from fabric.checkpoint.lightning_folder import read_lightning_folder
+
+        if state is None:
+            return read_lightning_folder(path, weights_only)
+        if not isinstance(state, dict):
+            raise TypeError(f"Loading the sharded checkpoint {str(path)!r} needs a dict of states, got a {type(state).__name__}")
+        source = FullFile(path, state, weights_only, read_file=lambda: read_lightning_folder(path, weights_only))
+        return restore(source, state, strict=strict, agree=agree_in_group)
     if state is None:
         folder = ShardedFolder(path, {}, weights_only)
         return read_full(folder.folder, folder.objects, folder.index, keys=list(folder.keys()))

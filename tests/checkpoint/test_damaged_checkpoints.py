@@ -119,7 +119,10 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_before_anything_change
         assert same(before, snapshot(target, target_optimizer))
 
 
-def test_a_legacy_file_has_nothing_to_check_and_says_so(fabric, tmp_path):
+def test_a_legacy_file_has_nothing_to_check_and_says_so(fabric, tmp_path, monkeypatch):
+    from fabric.plugins.io import integrity
+
+    monkeypatch.setattr(integrity, "_told_unchecked", False)  # said once per process: maybe already, by another test
     model, _ = trained()
     path = tmp_path / "legacy.pt"
     torch.save({"model": model.state_dict()}, path, _use_new_zipfile_serialization=False)

@@ -5,7 +5,8 @@ from fabric.plugins.io.single_file import (
     CheckpointIO,
     CheckpointLoadError,
     TorchCheckpointIO,
+    UnsafeCheckpointError,
     safe_load,
 )
 
-__all__ = ["CheckpointIO", "CheckpointLoadError", "TorchCheckpointIO", "atomic_save", "safe_load"]
+__all__ = ["CheckpointIO", "CheckpointLoadError", "TorchCheckpointIO", "UnsafeCheckpointError", "atomic_save", "safe_load"]

@@ -43,6 +43,14 @@ class CheckpointLoadError(RuntimeError):
     """A checkpoint file exists but cannot be read as one (empty, truncated, corrupt or unsafe)."""
 
 
+class UnsafeCheckpointError(CheckpointLoadError, pickle.UnpicklingError):
+    """A checkpoint holds objects that only pickled code can restore, refused under ``weights_only``.
+
+    Also a ``pickle.UnpicklingError``: what ``torch.load(weights_only=True)``, and so Lightning Fabric's
+    ``load``, raises there, so code that catches it to retry with ``weights_only=False`` works unchanged.
+    """
+
+
 class TorchCheckpointIO(CheckpointIO):
     """``torch.save`` / ``torch.load`` to local paths, made atomic and safe."""
 
@@ -96,7 +104,7 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
     except pickle.UnpicklingError as err:
         reason = _weights_only_reason(err)
         if safe and reason is not None and not reason.startswith("Unsupported operand"):
-            raise CheckpointLoadError(
+            raise UnsafeCheckpointError(
                 f"Checkpoint {str(path)!r} holds objects that can only be restored by running pickled code,"
                 " which is refused by default. If you trust this file, load it with"
                 f" `fabric.load(..., weights_only=False)`. Details: {reason}"

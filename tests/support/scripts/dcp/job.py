@@ -1,8 +1,9 @@
 """One rank of a sharded-checkpoint test job (started by tests/plugins/io/test_sharded_checkpoint.py).
 
 ``job.py OUT save``: train a tiny model under ``fully_shard`` for three AdamW steps, then write it
-sharded (``OUT/sharded``), full (``OUT/full.pt``) and, for comparison, as one process sees the whole
-state (``OUT/reference-rank{R}.pt``).
+sharded (``OUT/sharded``), full (``OUT/full.pt``), in Lightning Fabric's sharded layout
+(``OUT/lightning-layout``) and, for comparison, as one process sees the whole state
+(``OUT/reference-rank{R}.pt``).
 ``job.py OUT load SOURCE``: load SOURCE (folder or file) into a freshly built sharded model and
 optimizer, and write what the loaded objects hold, gathered (``OUT/loaded-{NAME}-rank{R}.pt``).
 ``job.py OUT load_damaged SOURCE``: try to load a damaged SOURCE into a trained sharded model and write
@@ -63,6 +64,17 @@ def local_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return shards
 
 
+def save_in_lightning_layout(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, others: dict) -> None:
+    """The folder Lightning Fabric's sharded save writes (FSDP / ModelParallelStrategy): torch's distributed
+    state dicts of the model and the optimizer through ``dcp.save``, and rank 0's ``meta.pt`` with the rest."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder)
+    if dist.get_rank() == 0:
+        torch.save(others, folder / "meta.pt")
+    dist.barrier()
+
+
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     bind_default_arguments_before_the_group_exists()  # as fabric's strategies do: the group can be freed
@@ -79,6 +91,7 @@ def main() -> None:
         save_sharded(out / "sharded", state)
         save_full(out / "full.pt", state)
         torch.save(gathered(model, optimizer), out / f"reference-rank{rank}.pt")
+        save_in_lightning_layout(out / "lightning-layout", model, optimizer, {"step": 3, "note": state["note"]})
     elif mode == "load":
         source = Path(sys.argv[3])
         model, optimizer = build(seed=2)

@@ -1,0 +1,132 @@
+"""Sharded checkpoint folders written by Lightning Fabric, read by ``fabric.load`` and ``consolidate``.
+
+Lightning's sharded save (``FSDPStrategy`` / ``ModelParallelStrategy``, ``state_dict_type="sharded"``)
+writes ``torch.distributed.checkpoint`` files holding the modules' and optimizers' state dicts (flattened
+by torch's default planner: ``model.layers.0.wq.weight``, ``optimizer.state.<name>.exp_avg``, ...) and
+``meta.pt`` with every other entry; it has no ``fabric-objects.pt``. Such a folder is read whole into
+this process, every tensor in full (like Lightning's own ``consolidate_checkpoint``), and then goes in as
+a full checkpoint file does (``full_file.FullFile``): each rank keeps its part of sharded objects. The
+same checks apply as to our folders: the index through the allow-list unpickler, every data file's size,
+every item's CRC-32 before it is read, ``meta.pt`` (and any non-tensor item of the data files) with
+``weights_only`` unless the caller opts out. Every rank holds the whole checkpoint for a moment: to save
+that memory, consolidate once and re-save with fabric.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from fabric.plugins.io.publish import INDEX_FILE
+from fabric.plugins.io.single_file import CheckpointLoadError, UnsafeCheckpointError, _weights_only_reason, safe_load
+
+LIGHTNING_META_FILE = "meta.pt"  # Lightning's file of non-tensor entries beside the shards
+
+
+def is_lightning_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint folder in Lightning Fabric's layout (and not one of ours)."""
+    from fabric.checkpoint.sharded_folder import OBJECTS_FILE
+
+    folder = Path(path)
+    return (
+        folder.is_dir()
+        and (folder / INDEX_FILE).is_file()
+        and (folder / LIGHTNING_META_FILE).is_file()
+        and not (folder / OBJECTS_FILE).is_file()
+    )
+
+
+def read_lightning_folder(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """The whole checkpoint in ``path`` (Lightning's layout): its entries, tensors in full, on CPU."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from fabric.checkpoint.sharded_folder import _quiet_single_process, first_failure
+    from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, read_index
+
+    folder = Path(path)
+    index = read_index(folder)
+    check_data_files(folder, index)
+    meta = safe_load(folder / LIGHTNING_META_FILE, map_location="cpu", weights_only=weights_only)
+    if not isinstance(meta, dict):
+        raise CheckpointLoadError(f"{str(folder / LIGHTNING_META_FILE)!r} holds a {type(meta).__name__}, not a dict of entries")
+    flat: dict[str, Any] = {}
+    for key, saved in index.state_dict_metadata.items():
+        if isinstance(saved, BytesStorageMetadata):
+            flat[key] = None  # filled by the planner's load_bytes
+        else:
+            flat[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    planner = _SafeBytesPlanner(weights_only)
+    try:
+        with _quiet_single_process():
+            dcp.load(flat, storage_reader=SafeFileSystemReader(folder), planner=planner, no_dist=True)
+    except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
+        refused = [inner for inner in _failures(err) if isinstance(inner, UnsafeCheckpointError)]
+        if refused:
+            raise UnsafeCheckpointError(f"Checkpoint {str(folder)!r}: {refused[0]}") from None
+        raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
+    # tensors were read in place; dcp.load hands the planner a copy of the dict, where the other items went
+    flat.update({key: planner.state_dict[key] for key, value in flat.items() if value is None})
+    checkpoint = _unflatten(flat, index.planner_data or {})
+    overlap = sorted(set(checkpoint) & set(meta))
+    if overlap:
+        raise CheckpointLoadError(f"Checkpoint {str(folder)!r} names {overlap} both in its shards and in {LIGHTNING_META_FILE}")
+    checkpoint.update(meta)
+    return checkpoint
+
+
+class _SafeBytesPlanner(DefaultLoadPlanner):
+    """torch's planner unpickles non-tensor items (optimizer hyperparameters, ...) with ``weights_only=False``;
+    this one with ``weights_only=True`` unless the caller opted out."""
+
+    def __init__(self, weights_only: bool | None) -> None:
+        super().__init__(flatten_state_dict=False)
+        self._safe = True if weights_only is None else bool(weights_only)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            self.state_dict[fqn] = torch.load(value, weights_only=self._safe)
+        except pickle.UnpicklingError as err:
+            reason = _weights_only_reason(err)
+            if not self._safe or reason is None:
+                raise
+            raise UnsafeCheckpointError(
+                f"the entry {fqn!r} holds an object that can only be restored by running pickled code, which is refused"
+                f" by default (load with weights_only=False if you trust the checkpoint): {reason}"
+            ) from None
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    """The errors inside torch's ``CheckpointException`` (one per failed rank), or ``err`` itself."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        return [err]
+    return [inner[0] if isinstance(inner, tuple) else inner for inner in failures.values()]
+
+
+def _unflatten(flat: dict[str, Any], paths: dict[str, Iterable[Any]]) -> dict[str, Any]:
+    """Nest ``flat`` (torch's flattened keys) back along the paths the index kept for each key; integer steps
+    make lists (``param_groups``)."""
+    root: dict[Any, Any] = {}
+    for key, value in flat.items():
+        path = list(paths.get(key, (key,)))
+        node = root
+        for step in path[:-1]:
+            node = node.setdefault(step, {})
+        node[path[-1]] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    items = {key: _lists(value) for key, value in node.items()}
+    if items and all(isinstance(key, int) for key in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items
