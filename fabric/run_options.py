@@ -237,7 +237,8 @@ def build_run_parser(prog: str = PROG, about: str = "") -> argparse.ArgumentPars
         allow_abbrev=False,
     )
     parser.add_argument("script", metavar="SCRIPT", help="The Python script to run.")
-    parser.add_argument("script_args", metavar="SCRIPT_ARGS", nargs="*", help="Arguments for the script.")
+    # a default makes argparse treat the optional list as optional in its "required" message too
+    parser.add_argument("script_args", metavar="SCRIPT_ARGS", nargs="*", default=[], help="Arguments for the script.")
     for dest, flags, kwargs in _options():
         parser.add_argument(*flags, dest=dest, **kwargs)
     return parser

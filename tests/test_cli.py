@@ -256,6 +256,13 @@ def test_options_before_and_after_script_and_the_double_dash() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_without_a_script_only_the_script_is_said_to_be_missing(capsys: pytest.CaptureFixture) -> None:
+    code, _, err = _main(["run", "--devices", "2"], capsys)
+    assert code == 2
+    assert err.rstrip().endswith("the following arguments are required: SCRIPT"), err
+
+
+@pytest.mark.timeout(10)
 def test_an_elastic_node_range_and_the_rendezvous_settings() -> None:
     config = run_options.parse_run_args(["--num-nodes", "1:4", "--node-rank", "3", "--rdzv-conf",
                                          "last_call_timeout=2, keep_alive_interval=1", str(RANKS_ENV)])
