@@ -164,7 +164,7 @@ def plot(rows: list[dict[str, float]], path: str) -> None:
         axes.set_title(title)
         axes.grid(alpha=0.3)
     figure.legend(*total.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7)
-    figure.tight_layout(rect=(0, 0.22, 1, 1))
+    figure.tight_layout(rect=(0, 0.16, 1, 1))
     figure.savefig(path, dpi=110)
 
 
