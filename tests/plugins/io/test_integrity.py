@@ -20,7 +20,7 @@ from fabric import Fabric
 from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
 from fabric.plugins.io import CheckpointLoadError, integrity, safe_load
 from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError, load_checked
-from fabric.plugins.io.safe_reader import read_index
+from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
 
 
 def archive_bytes(obj: object) -> bytes:
@@ -307,3 +307,23 @@ def test_a_flipped_bit_in_a_shard_item_of_either_size_is_refused_and_the_target_
         load_sharded(folder, {"model": target, "optimizer": target_optimizer})
     assert key.fqn in str(caught.value) and info.relative_path in str(caught.value)
     assert same(before, snapshot(target, target_optimizer))
+
+
+def test_a_staging_tensor_filled_whole_takes_the_loaded_storage_and_others_are_copied_into(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
+    dcp.save(saved, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    staging, target = torch.empty(64, 64), torch.empty(64, 64)
+    staging_storage, target_storage = staging.untyped_storage().data_ptr(), target.untyped_storage().data_ptr()
+    dcp.load({"a": staging, "b": target}, storage_reader=SafeFileSystemReader(tmp_path / "ckpt", staging=[staging]), no_dist=True)
+    assert torch.equal(staging, saved["a"]) and torch.equal(target, saved["b"])
+    assert staging.untyped_storage().data_ptr() != staging_storage  # handed the loaded storage: no copy
+    assert target.untyped_storage().data_ptr() == target_storage  # not ours to replace: copied into
+    # a staging tensor the chunk cannot stand in for as it is (another dtype, other strides) is copied into
+    converted, transposed = torch.empty(64, 64, dtype=torch.float64), torch.empty(64, 64).t()
+    pointers = [converted.untyped_storage().data_ptr(), transposed.untyped_storage().data_ptr()]
+    reader = SafeFileSystemReader(tmp_path / "ckpt", staging=[converted, transposed])
+    dcp.load({"a": converted, "b": transposed}, storage_reader=reader, no_dist=True)
+    assert torch.equal(converted, saved["a"].double()) and torch.equal(transposed, saved["b"])
+    assert [converted.untyped_storage().data_ptr(), transposed.untyped_storage().data_ptr()] == pointers
