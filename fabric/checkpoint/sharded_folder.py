@@ -276,14 +276,19 @@ class ShardedFolder:
 
 
 def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False) -> None:
-    """Fill ``destinations`` (flat key -> tensor or DTensor of any layout) from the folder's shards."""
+    """Fill ``destinations`` (flat key -> tensor or DTensor of any layout, new storage made for this load)
+    from the folder's shards; a destination that one saved chunk fills whole takes that chunk's storage."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
 
     if not destinations:
         return
     try:
-        with _quiet_single_process():
-            dcp.load(destinations, storage_reader=SafeFileSystemReader(folder), no_dist=full or not _distributed())
+        # without autograd a DTensor's local tensor is the object the planner hands the reader (``to_local``)
+        with _quiet_single_process(), torch.no_grad():
+            staging = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in destinations.values()]
+            reader = SafeFileSystemReader(folder, staging=staging)
+            dcp.load(destinations, storage_reader=reader, no_dist=full or not _distributed())
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
         raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+from fabric.plugins.io import integrity
 from fabric.plugins.io.safe_reader import read_index
 from fabric.plugins.io.single_file import CheckpointLoadError
 from fabric.utilities.exceptions import CheckpointMismatchError
@@ -120,13 +121,11 @@ def test_an_optimizer_state_of_the_wrong_shape_is_refused_before_anything_change
 
 
 def test_a_legacy_file_has_nothing_to_check_and_says_so(fabric, tmp_path, monkeypatch):
-    from fabric.plugins.io import integrity
-
-    monkeypatch.setattr(integrity, "_told_unchecked", False)  # said once per process: maybe already, by another test
     model, _ = trained()
     path = tmp_path / "legacy.pt"
     torch.save({"model": model.state_dict()}, path, _use_new_zipfile_serialization=False)
     target, _ = fresh()
+    monkeypatch.setattr(integrity, "_told_unchecked", False)  # said once per process: maybe already, by an earlier test
     with pytest.warns(UserWarning, match="legacy"):
         fabric.load(path, {"model": target})
     assert torch.equal(target[0].weight, model[0].weight)

@@ -1,72 +1,365 @@
-"""Catching bit rot: every tensor torch writes carries a CRC-32, and we check it before anything is loaded.
+"""Catching bit rot: every tensor torch writes carries a CRC-32, and we check it on the bytes that are loaded.
 
 ``torch.save`` writes a zip archive whose records (the pickle and one record per storage) each carry the
 CRC-32 of their bytes in the archive's directory, but ``torch.load`` never checks them, so a flipped bit
 in tensor data loads silently. ``torch.distributed.checkpoint`` stores every tensor of a shard file the
-same way (one ``torch.save`` archive per item). This module checks those CRCs: a whole checkpoint file,
-or the byte range of one item of a shard file. Nothing is added at save time, so checkpoints written
+same way (one ``torch.save`` archive per item). Nothing is added at save time, so checkpoints written
 before this check existed, and by Lightning, are checked too; only the legacy (non-zip) format has
 nothing to check.
 
-The CRC runs at memory speed: ISA-L's CRC-32 (``isal``, about 20 GB/s here) where installed, else zlib's
-(about 2 GB/s). benchmarks/checkpoint_load.py measures what it adds to a load.
+The check costs one look at bytes that are in the CPU cache anyway: ``torch.load`` reads an archive
+through :class:`CheckedArchive`, which reads each record straight into the storage it loads into, a
+chunk at a time, and takes the CRC of each chunk right after reading it. A damaged record raises
+:class:`CorruptCheckpointError` before ``torch.load`` returns, so a caller that loads into new storage
+and copies in afterwards changes nothing. Records ``torch.load`` reads in any other pattern (none today)
+are checked by reading them again before the load is accepted. The CRC is ISA-L's (``isal``, about 50 GB/s
+on data in the cache here) where installed, else zlib's (about 4 GB/s).
 """
 
 from __future__ import annotations
 
+import bisect
+import io
 import os
 import struct
 import warnings
-import zipfile
-from typing import IO, cast
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
     from isal.isal_zlib import crc32
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
-__all__ = ["CorruptCheckpointError", "check_file", "crc32", "verify_file", "verify_range"]
+__all__ = ["CheckedArchive", "CorruptCheckpointError", "check_file", "crc32", "load_checked", "verify_file", "verify_range"]
 
-_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # signature ... file name length, extra field length
+T = TypeVar("T")
+
+# the zip structures torch's writer uses (all little-endian)
+_LOCAL = struct.Struct("<4s5H3L2H")  # signature ... file name length, extra field length: 30 bytes
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # signature, versions, flags, method, time, date, crc, sizes, lengths ...: 46
+_CENTRAL_SIGNATURE = b"PK\x01\x02"
+_END = struct.Struct("<4s4H2LH")  # end of central directory: 22 bytes (+ comment)
+_END_SIGNATURE = b"PK\x05\x06"
+_END64_LOCATOR = struct.Struct("<4sLQL")  # where the zip64 end record is: 20 bytes, just before the end record
+_END64_LOCATOR_SIGNATURE = b"PK\x06\x07"
+_END64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory: 56 bytes
+_END64_SIGNATURE = b"PK\x06\x06"
+_TAIL = 4096  # read at the archive's end to find its directory (torch's reader reads as much)
+_MAX_COMMENT = 0xFFFF
+_SMALL = 64 * 2**10  # an archive up to this size is read whole, checked, then loaded from memory
+_NOTHING = memoryview(b"")
+_CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
 
 
 class CorruptCheckpointError(RuntimeError):
     """Bytes of a checkpoint differ from what was written (a CRC mismatch, a truncated or unreadable record)."""
 
 
+class _Record:
+    """One record of an archive: where its local header is, its size and CRC; its data start once known."""
+
+    __slots__ = ("crc", "data", "header", "name", "size", "verified")
+
+    def __init__(self, name: str, header: int, size: int, crc: int) -> None:
+        self.name, self.header, self.size, self.crc = name, header, size, crc
+        self.data = -1  # offset of the record's bytes in the archive, read from its local header
+        self.verified = False
+
+
+class CheckedArchive:
+    """The ``torch.save`` archive at ``[start, start + length)`` of the open file ``fd`` (a whole file, or one
+    item of a shard file), as the read-only binary file ``torch.load`` reads, checking each record's CRC-32
+    as its bytes pass (see the module docstring). ``where`` names it in errors.
+
+    The archive's directory is read when it is made (a damaged one raises :class:`CorruptCheckpointError`).
+    After ``torch.load``, :meth:`finish` checks whatever records were not checked on the way.
+    """
+
+    def __init__(self, fd: int, start: int, length: int, where: str) -> None:
+        self._fd, self._start, self._length, self._where = fd, start, length, where
+        self._pos = 0
+        self._records, self._directory_start, self._tail = _read_directory(_file_reader(fd, start), length, where)
+        self._headers = [record.header for record in self._records]
+        self._by_header = {record.header: record for record in self._records}
+        self._by_data: dict[int, _Record] = {}
+        self._current: _Record | None = None  # the record whose bytes are passing, its next offset and CRC so far
+        self._next, self._crc = -1, 0
+        self._checked = False  # whether any record has been checked yet
+        self.error: CorruptCheckpointError | None = None
+        self._head = os.pread(fd, min(_TAIL, length), start)
+        self._tail_start = length - len(self._tail)
+        self._head_end = self._cache_records(self._head, 0)  # reads inside [0, head_end) are served from memory,
+        self._tail_from = self._cache_records(self._tail, self._tail_start, from_end=True)  # and inside [tail_start, length)
+
+    def _cache_records(self, cache: bytes, at: int, from_end: bool = False) -> int:
+        """Check the records that ``cache`` (the archive's bytes from ``at``) holds whole: the small records
+        before the first large one (at the start), or all records after it (at the end: the last few bytes
+        hold the directory). Returns where the part of the archive served from ``cache`` ends (at the start)
+        or starts (at the end): torch's many small reads there cost no system call and no accounting, and
+        hand out only bytes checked here."""
+        end = at + len(cache)
+        records = [record for record in self._records if record.header >= at] if from_end else self._records
+        for record in records:
+            if record.header + _LOCAL.size > end:
+                return record.header
+            self._learn_header(record, cache[record.header - at : record.header - at + _LOCAL.size])
+            if record.data + record.size > end:  # (never at the end: the directory follows every record)
+                return record.header
+            self._verify(record, crc32(memoryview(cache)[record.data - at : record.data - at + record.size]))
+        if from_end:
+            return records[0].header if records else self._directory_start
+        return end
+
+    # ---- the file interface torch.load uses ------------------------------------------------------
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 1:
+            offset += self._pos
+        elif whence == 2:
+            offset += self._length
+        self._pos = min(max(offset, 0), self._length)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        position = self._pos
+        end = self._length if size is None or size < 0 else min(position + size, self._length)
+        if end <= self._head_end:
+            data = self._head[position:end]
+        elif position >= self._tail_start:
+            data = self._from_tail(position, end)
+        else:
+            data = os.pread(self._fd, max(end - position, 0), self._start + position)
+            if data:
+                self._passed(position, memoryview(data))
+        self._pos = position + len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        """Read into ``buffer`` (the storage being loaded) a chunk at a time, each chunk's CRC taken at once."""
+        view = memoryview(buffer).cast("B")
+        position = self._pos
+        wanted = min(len(view), self._length - position)
+        if wanted <= 0:
+            return 0
+        if position + wanted <= self._head_end:
+            view[:wanted] = self._head[position : position + wanted]
+        elif position >= self._tail_start:
+            view[:wanted] = self._from_tail(position, position + wanted)
+        else:
+            done = 0
+            while done < wanted:
+                chunk = view[done : done + _CHUNK] if wanted - done > _CHUNK or done or wanted < len(view) else view
+                count = os.preadv(self._fd, [chunk], self._start + position + done)
+                if count <= 0:
+                    break
+                self._passed(position + done, chunk if count == len(chunk) else chunk[:count])
+                done += count
+            wanted = done
+        self._pos = position + wanted
+        return wanted
+
+    def _from_tail(self, position: int, end: int) -> bytes:
+        if position < self._tail_from:  # the end of a large record, handed out unchecked: check it again later
+            self._distrust(position, min(end, self._tail_from))
+        return self._tail[position - self._tail_start : end - self._tail_start]
+
+    def close(self) -> None:
+        pass
+
+    # ---- the check --------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Check every record not checked as it passed (read again from the file); raise on the first damage."""
+        if self.error is not None:
+            raise self.error
+        buffer: bytearray | None = None
+        for record in self._records:
+            if record.verified:
+                continue
+            if record.data < 0:
+                self._learn_header(record, os.pread(self._fd, _LOCAL.size, self._start + record.header))
+            if record.verified:  # an empty record
+                continue
+            if buffer is None:
+                buffer = bytearray(min(_CHUNK, max(record.size for record in self._records)))
+            view = memoryview(buffer)
+            left, crc, offset = record.size, 0, self._start + record.data
+            while left:
+                count = os.preadv(self._fd, [view[: min(left, len(buffer))]], offset)
+                if count <= 0:
+                    raise self._fail(f"{self._where} is truncated inside record {record.name!r}")
+                crc = crc32(view[:count], crc)
+                left, offset = left - count, offset + count
+            self._verify(record, crc)
+
+    def _passed(self, position: int, data: memoryview) -> None:
+        """Account for ``data``, read at ``position``: a record's bytes read from its start, in order, are checked."""
+        while data:
+            record = self._by_data.get(position)
+            if record is not None:  # a record's bytes from their start: check them as they come
+                record.verified = False
+                self._current, self._crc = record, 0
+            elif self._current is not None and position == self._next:
+                record = self._current
+            else:
+                data, position = self._other_read(position, data)
+                continue
+            left = record.data + record.size - position
+            if len(data) < left:
+                self._crc = crc32(data, self._crc)
+                self._next = position + len(data)
+                return
+            self._crc = crc32(data[:left] if len(data) > left else data, self._crc)
+            self._current = None
+            self._verify(record, self._crc)
+            position, data = position + left, data[left:]
+
+    def _other_read(self, position: int, data: memoryview) -> tuple[memoryview, int]:
+        """A read that is not a record's bytes in order: a local header (learn where its record's bytes start),
+        the directory, or a part of a record read out of order (to be checked again by ``finish``). Returns
+        what of ``data`` is left to account for: the bytes from the start of a record, if they follow."""
+        self._current = None
+        end = position + len(data)
+        self._distrust(position, end)
+        starting = self._by_header.get(position)
+        if starting is None or len(data) < _LOCAL.size:
+            return _NOTHING, end
+        if starting.data < 0:
+            self._learn_header(starting, bytes(data[: _LOCAL.size]))
+        if starting.verified or starting.data >= end:
+            return _NOTHING, end
+        return data[starting.data - position :], starting.data
+
+    def _distrust(self, position: int, end: int) -> None:
+        """Bytes ``[position, end)`` were read other than a record from its start: a checked record they touch
+        is checked again by ``finish``."""
+        if not self._checked:
+            return
+        records = self._records
+        for index in range(max(bisect.bisect_right(self._headers, position) - 1, 0), len(records)):
+            record = records[index]
+            if record.header >= end:
+                break
+            if record.verified and record.data < end and position < record.data + record.size:
+                record.verified = False
+
+    def _learn_header(self, record: _Record, header: bytes) -> None:
+        try:
+            _data_start(record, header, self._directory_start, self._where)
+        except CorruptCheckpointError as err:
+            raise self._fail(str(err)) from None
+        if record.size == 0:
+            self._verify(record, 0)
+        else:
+            self._by_data[record.data] = record
+
+    def _verify(self, record: _Record, crc: int) -> None:
+        if crc != record.crc:
+            raise self._fail(_mismatch(record, self._where))
+        record.verified = self._checked = True
+
+    def _fail(self, message: str) -> CorruptCheckpointError:
+        """The error to raise (kept, so that it wins over whatever error torch makes of it)."""
+        if self.error is None:
+            self.error = CorruptCheckpointError(message)
+        return self.error
+
+
+def load_checked(load: Callable[[Any], T], fd: int, start: int, length: int, where: str) -> T:
+    """``load(file)`` (``torch.load`` of a binary file) over the archive at ``[start, start + length)`` of
+    ``fd``, its every record's CRC checked; a damaged archive raises :class:`CorruptCheckpointError`, whatever
+    error the damage made inside ``load``.
+
+    An archive of up to 64 KiB (an optimizer step, a bias) is read whole into memory, checked there, and
+    loaded from those bytes: cheaper than the many small reads ``torch.load`` makes of a file. A larger one
+    is loaded through a :class:`CheckedArchive`.
+    """
+    if length <= _SMALL:
+        image = os.pread(fd, length, start)
+        if len(image) < length:
+            raise CorruptCheckpointError(f"{where} is truncated: it needs {length} bytes, the file has {len(image)} there")
+        _check_image(image, where)
+        return load(io.BytesIO(image))
+    archive = CheckedArchive(fd, start, length, where)
+    try:
+        value = load(archive)
+    except Exception:
+        if archive.error is None:
+            try:
+                archive.finish()  # damage elsewhere explains the failure better than the loader's own error
+            except CorruptCheckpointError:
+                pass  # (kept as archive.error)
+        if archive.error is not None:
+            raise archive.error from None
+        raise
+    archive.finish()
+    return value
+
+
+def _check_image(image: bytes, where: str) -> None:
+    """Check every record of the archive held whole in ``image``."""
+    records, directory_start, _ = _read_directory(lambda offset, count: image[offset : offset + count], len(image), where)
+    view = memoryview(image)
+    for record in records:
+        _data_start(record, image[record.header : record.header + _LOCAL.size], directory_start, where)
+        if crc32(view[record.data : record.data + record.size]) != record.crc:
+            raise CorruptCheckpointError(_mismatch(record, where))
+
+
+def _data_start(record: _Record, header: bytes, directory_start: int, where: str) -> None:
+    """Set where ``record``'s bytes start, from its local ``header``."""
+    if len(header) < _LOCAL.size or header[:4] != _LOCAL_SIGNATURE:
+        raise CorruptCheckpointError(f"{where} is damaged: record {record.name!r} has no valid header")
+    fields = _LOCAL.unpack(header)
+    record.data = record.header + _LOCAL.size + fields[-2] + fields[-1]
+    if record.data + record.size > directory_start:
+        raise CorruptCheckpointError(f"{where} is damaged: record {record.name!r} lies outside the archive")
+
+
+def _mismatch(record: _Record, where: str) -> str:
+    return (
+        f"{where} is damaged: the bytes of record {record.name!r} ({record.size} bytes) do not match the checksum"
+        " written with them (bit rot, or a partial overwrite)"
+    )
+
+
 def verify_file(path: str | os.PathLike) -> bool:
-    """Check every record of the ``torch.save`` archive at ``path`` against its CRC-32.
+    """Check every record of the ``torch.save`` archive at ``path`` against its CRC-32 (reading the file).
 
     Returns False for a file with nothing to check (the legacy pickle format); raises
-    :class:`CorruptCheckpointError` naming the file and the record when the bytes differ. The file is
-    read sequentially in chunks (from a cold disk, faster than mapping it), which leaves it in the page
-    cache for the load that follows.
+    :class:`CorruptCheckpointError` naming the file and the record when the bytes differ.
     """
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
         if size == 0 or file.read(4) != _LOCAL_SIGNATURE:
             return False
-        _verify_archive(file, 0, size, str(path))
+        CheckedArchive(file.fileno(), 0, size, repr(str(path))).finish()
     return True
 
 
 def check_file(path: str | os.PathLike) -> None:
-    """Check the file's CRCs before it is loaded (raising :class:`CorruptCheckpointError`); a file with
-    nothing to check is said once in the log.
-
-    The check runs in the loading thread, before the load: ISA-L's CRC holds the GIL, so a second thread
-    would not overlap with ``torch.load``, and a rank's other core belongs to another rank. It costs about
-    5 ms per 100 MB (benchmarks/checkpoint_load.py), and leaves the file in the page cache for the load.
-    """
+    """Check the file's CRCs (raising :class:`CorruptCheckpointError`); a file with nothing to check is said
+    once in the log. A load reads through :func:`load_checked` instead, which checks as it reads."""
     if not verify_file(path):
-        _say_once_nothing_to_check(path)
+        say_once_nothing_to_check(path)
 
 
 _told_unchecked = False
 
 
-def _say_once_nothing_to_check(path: str | os.PathLike) -> None:
+def say_once_nothing_to_check(path: str | os.PathLike) -> None:
+    """Warn, once per process, that a legacy-format file carries no checksums."""
     global _told_unchecked
     if not _told_unchecked:
         _told_unchecked = True
@@ -79,80 +372,111 @@ def _say_once_nothing_to_check(path: str | os.PathLike) -> None:
 
 def verify_range(path: str | os.PathLike, offset: int, length: int, what: str) -> None:
     """Check the ``torch.save`` archive stored at ``[offset, offset + length)`` of the file ``path`` (a shard
-    file's item); ``what`` names the item in the error."""
+    file's item), reading it; ``what`` names the item in the error."""
+    where = f"{str(path)!r} ({what})"
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
         if offset + length > size:
-            raise CorruptCheckpointError(
-                f"{str(path)!r} is truncated: {what} needs bytes up to {offset + length}, the file has {size}"
-            )
-        if length == 0:
-            return
-        file.seek(offset)
-        if file.read(4) != _LOCAL_SIGNATURE:
-            raise CorruptCheckpointError(f"{str(path)!r}: the data of {what} is not where the index says (damaged file)")
-        _verify_archive(file, offset, length, f"{str(path)!r} ({what})")
+            raise CorruptCheckpointError(f"{where} is truncated: it needs bytes up to {offset + length}, the file has {size}")
+        if length:
+            CheckedArchive(file.fileno(), offset, length, where).finish()
 
 
-_CHUNK = 8 * 2**20
+def _file_reader(fd: int, start: int) -> Callable[[int, int], bytes]:
+    return lambda offset, count: os.pread(fd, count, start + offset)
 
 
-def _verify_archive(file: IO[bytes], start: int, length: int, where: str) -> None:
-    try:
-        members = zipfile.ZipFile(cast(IO[bytes], _Window(file, start, length))).infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError) as err:
-        raise CorruptCheckpointError(f"{where} is damaged: its archive directory cannot be read ({err})") from None
-    buffer = bytearray(min(_CHUNK, length))
-    view = memoryview(buffer)
-    for member in sorted(members, key=lambda member: member.header_offset):  # in file order: sequential reads
-        begin = start + member.header_offset
-        file.seek(begin)
-        header = file.read(_LOCAL_HEADER.size)
-        if len(header) < _LOCAL_HEADER.size or header[:4] != _LOCAL_SIGNATURE:
-            raise CorruptCheckpointError(f"{where} is damaged: record {member.filename!r} has no valid header")
-        fields = _LOCAL_HEADER.unpack(header)
-        data_start = begin + _LOCAL_HEADER.size + fields[-2] + fields[-1]
-        if member.compress_type != zipfile.ZIP_STORED or data_start + member.compress_size > start + length:
-            raise CorruptCheckpointError(f"{where} is damaged: record {member.filename!r} lies outside the archive")
-        file.seek(data_start)
-        left, crc = member.compress_size, 0
-        while left:
-            count = file.readinto(view[: min(left, len(buffer))])  # type: ignore[attr-defined]
-            if not count:
-                raise CorruptCheckpointError(f"{where} is truncated inside record {member.filename!r}")
-            crc = crc32(view[:count], crc)
-            left -= count
-        if crc != member.CRC:
-            raise CorruptCheckpointError(
-                f"{where} is damaged: the bytes of record {member.filename!r} ({member.compress_size} bytes) do not"
-                " match the checksum written with them (bit rot, or a partial overwrite)"
-            )
+def _read_directory(read_at: Callable[[int, int], bytes], length: int, where: str) -> tuple[list[_Record], int, bytes]:
+    """The records of the archive of ``length`` bytes that ``read_at(offset, count)`` reads, in file order,
+    where its directory starts, and the archive's last bytes (at least 4 KiB, or all), read to find it.
+    Only what torch writes is accepted: stored (uncompressed), unencrypted records."""
+
+    def damaged(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where} is damaged: its archive directory cannot be read ({why})")
+
+    def read(offset: int, count: int) -> bytes:
+        if offset < 0 or offset + count > length:
+            raise damaged("it points outside the archive")
+        data = read_at(offset, count)
+        if len(data) < count:
+            raise damaged(f"the file ends {count - len(data)} bytes early")
+        return data
+
+    tail_start = max(length - _TAIL, 0)
+    tail = read(tail_start, length - tail_start)
+    at = _find_end(tail)
+    if at < 0 and tail_start > 0:
+        tail_start = max(length - _TAIL - _MAX_COMMENT - _END.size, 0)
+        tail = read(tail_start, length - tail_start)
+        at = _find_end(tail)
+    if at < 0:
+        raise damaged("no end-of-directory record")
+    _, _, _, _, count, directory_size, offset, _ = _END.unpack_from(tail, at)
+    directory_end = tail_start + at
+    if directory_end >= _END64_LOCATOR.size:
+        locator = read(directory_end - _END64_LOCATOR.size, _END64_LOCATOR.size)
+        if locator[:4] == _END64_LOCATOR_SIGNATURE:
+            end64 = _END64_LOCATOR.unpack(locator)[2]
+            record = read(end64, _END64.size)
+            if record[:4] != _END64_SIGNATURE:
+                raise damaged("no zip64 end-of-directory record")
+            count, directory_size, offset = _END64.unpack(record)[7:10]
+            directory_end = end64
+    if offset + directory_size != directory_end:
+        raise damaged("the directory is not where its end record says")
+    in_tail = offset - tail_start
+    directory = tail[in_tail : in_tail + directory_size] if in_tail >= 0 else read(offset, directory_size)
+    records, position = [], 0
+    for _ in range(count):
+        if position + _CENTRAL.size > len(directory):
+            raise damaged("it lists more records than it holds")
+        fields = _CENTRAL.unpack_from(directory, position)
+        signature, flags, method, crc, compressed, size = fields[0], fields[3], fields[4], fields[7], fields[8], fields[9]
+        name_length, extra_length, comment_length, header = fields[10], fields[11], fields[12], fields[16]
+        name_end = position + _CENTRAL.size + name_length
+        if signature != _CENTRAL_SIGNATURE or name_end + extra_length > len(directory):
+            raise damaged("a record's entry is malformed")
+        name = directory[position + _CENTRAL.size : name_end].decode("utf-8" if flags & 0x800 else "cp437", "replace")
+        if 0xFFFFFFFF in (compressed, size, header):
+            size, compressed, header = _zip64_sizes(directory[name_end : name_end + extra_length], size, compressed, header, damaged)
+        if method != 0 or flags & 1 or compressed != size:
+            raise damaged(f"record {name!r} is compressed or encrypted, which torch never writes")
+        if header + _LOCAL.size + compressed > offset:
+            raise CorruptCheckpointError(f"{where} is damaged: record {name!r} lies outside the archive")
+        records.append(_Record(name, header, compressed, crc))
+        position = name_end + extra_length + comment_length
+    records.sort(key=lambda record: record.header)
+    return records, offset, tail
 
 
-class _Window:
-    """A read-only file over ``[start, start + length)`` of ``file``, so zipfile finds an archive stored inside
-    a larger file (a shard file holds one archive per item, back to back)."""
+def _find_end(tail: bytes) -> int:
+    """Where the end-of-directory record (whose comment reaches the end of the archive) starts in ``tail``, or -1."""
+    at = len(tail) - _END.size
+    while at >= 0:
+        at = tail.rfind(_END_SIGNATURE, 0, at + 4)
+        if at < 0:
+            return -1
+        if at + _END.size + _END.unpack_from(tail, at)[-1] == len(tail):
+            return at
+        at -= 1
+    return -1
 
-    def __init__(self, file: IO[bytes], start: int, length: int) -> None:
-        self._file, self._start, self._length, self._pos = file, start, length, 0
 
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = min(max(base + offset, 0), self._length)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, size: int = -1) -> bytes:
-        end = self._length if size is None or size < 0 else min(self._pos + size, self._length)
-        self._file.seek(self._start + self._pos)
-        chunk = self._file.read(end - self._pos)
-        self._pos += len(chunk)
-        return chunk
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
+def _zip64_sizes(extra: bytes, size: int, compressed: int, header: int, damaged: Callable[[str], Exception]) -> tuple[int, int, int]:
+    """The 64-bit size, compressed size and header offset that a zip64 extra field holds in place of 0xFFFFFFFF."""
+    position = 0
+    while position + 4 <= len(extra):
+        kind, length = struct.unpack_from("<2H", extra, position)
+        if position + 4 + length > len(extra):
+            break
+        if kind == 1:
+            values = iter(struct.unpack_from(f"<{length // 8}Q", extra, position + 4))
+            try:
+                size = next(values) if size == 0xFFFFFFFF else size
+                compressed = next(values) if compressed == 0xFFFFFFFF else compressed
+                header = next(values) if header == 0xFFFFFFFF else header
+            except StopIteration:
+                raise damaged("a zip64 field is too short") from None
+            return size, compressed, header
+        position += 4 + length
+    raise damaged("a 64-bit size has no zip64 field")

@@ -5,20 +5,28 @@ planted there could run any code on load. Our reader unpickles it with an allow-
 own record classes, torch dtypes/layouts/sizes and paths, nothing callable beyond those. Non-tensor
 values never go through the folder's data files (fabric keeps them in a ``weights_only`` file), so
 tensors are all this reader hands out.
+
+Each item is read once: ``torch.load`` reads it through ``integrity.load_checked``, which checks every
+record's CRC-32 as the bytes arrive. An item that fills a whole staging tensor of the load (new storage
+made for it, see ``sharded_folder``) gives that tensor its freshly loaded storage instead of being copied
+into it.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
-from fabric.plugins.io.integrity import crc32, verify_range
+from fabric.plugins.io.integrity import CorruptCheckpointError, crc32, load_checked
 from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError
 
@@ -51,21 +59,79 @@ class _IndexUnpickler(pickle.Unpickler):
 
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose index is unpickled with an allow-list (see the module docstring), and which
-    checks the CRC-32 of every item it is about to read (``integrity``), naming the file and the entry."""
+    checks the CRC-32 of every item as it reads it (``integrity``), naming the file and the entry.
+
+    ``staging``: tensors (plain, or the local tensors of DTensors) that the caller made for this load alone;
+    an item that fills one of them whole hands it its loaded storage (``Tensor.set_``) instead of a copy.
+    """
+
+    def __init__(self, path: str | Path, staging: Iterable[Tensor] = ()) -> None:
+        super().__init__(path)
+        self._staging = {id(tensor): tensor for tensor in staging}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_index(self.path, load_id=self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        checked = set()
+        by_file: dict[str, list[ReadItem]] = {}
+        other = []
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            where = (info.relative_path, info.offset)
-            if where in checked or info.transform_descriptors:  # a transformed (compressed) item is no archive
-                continue
-            checked.add(where)
-            verify_range(Path(self.path) / info.relative_path, info.offset, info.length, f"entry {item.storage_index.fqn!r}")
-        return super().read_data(plan, planner)
+            if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:  # no tensor, or no archive (compressed)
+                other.append(item)
+            else:
+                by_file.setdefault(info.relative_path, []).append(item)
+        if other:
+            super().read_data(LoadPlan(other, plan.storage_data, plan.planner_data), planner).wait()
+        for name, items in by_file.items():
+            path = Path(self.path) / name
+            with open(path, "rb", buffering=0) as file:
+                for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
+                    self._read_item(file.fileno(), path, item, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_item(self, fd: int, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        where = f"{str(path)!r} (entry {item.storage_index.fqn!r})"
+        loaded = load_checked(_load_tensor, fd, info.offset, info.length, where)
+        if not isinstance(loaded, Tensor):
+            raise CorruptCheckpointError(f"{where} holds a {type(loaded).__name__}, not a tensor")
+        loaded = _narrow(loaded, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item)
+        if target.shape != loaded.shape:
+            raise CorruptCheckpointError(f"{where} has shape {tuple(loaded.shape)} where the index says {tuple(target.shape)}")
+        if self._staging.get(id(target)) is target and _fills(target, loaded):
+            target.set_(loaded)  # type: ignore[call-overload]
+        else:
+            target.detach().copy_(loaded)
+        planner.commit_tensor(item, target)
+
+
+def _load_tensor(archive: Any) -> Any:
+    return torch.load(archive, map_location="cpu", weights_only=True)
+
+
+def _narrow(tensor: Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> Tensor:
+    """The part of a saved chunk that a read item asks for."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if length < tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _fills(target: Tensor, loaded: Tensor) -> bool:
+    """Whether ``loaded`` can stand in for ``target`` as it is: same dtype, device, shape and strides, and a
+    storage of its own holding nothing else (so handing it over keeps no extra memory alive)."""
+    return (
+        loaded.dtype == target.dtype
+        and loaded.device == target.device
+        and loaded.stride() == target.stride()
+        and loaded.storage_offset() == 0
+        and loaded.untyped_storage().nbytes() == loaded.numel() * loaded.element_size()
+        and not loaded.requires_grad
+    )
 
 
 def check_index_crc(folder: Path, expected: int | None) -> None:

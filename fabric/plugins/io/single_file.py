@@ -6,6 +6,7 @@ run code.
 
 from __future__ import annotations
 
+import os
 import pickle
 import zipfile
 from abc import ABC, abstractmethod
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fabric.plugins.io.integrity import CorruptCheckpointError, check_file
+from fabric.plugins.io.integrity import CorruptCheckpointError, load_checked, say_once_nothing_to_check
 from fabric.plugins.io.publish import atomic_save
 
 
@@ -80,25 +81,39 @@ class TorchCheckpointIO(CheckpointIO):
 
 
 def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | None = None) -> Any:
-    """``torch.load`` with ``weights_only=True`` unless explicitly disabled, and errors that name the file."""
+    """``torch.load`` with ``weights_only=True`` unless explicitly disabled, every record's CRC-32 checked as it
+    is read (``integrity.load_checked``), and errors that name the file."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint file not found: {str(path)!r}")
     if path.is_dir():
         raise IsADirectoryError(f"Checkpoint path {str(path)!r} is a folder, not a file")
-    if path.stat().st_size == 0:
-        raise CheckpointLoadError(f"Checkpoint file {str(path)!r} is empty (0 bytes)")
-    with open(path, "rb") as handle:
-        head = handle.read(4)
-    if not head.startswith(_CHECKPOINT_MAGIC):
-        raise CheckpointLoadError(
-            f"{str(path)!r} is not a checkpoint file (another kind of file, or a corrupt one): it starts with"
-            f" {head!r}, while torch.save writes a zip archive (b'PK...') or a pickle (b'\\x80...')"
-        ) from None
     safe = True if weights_only is None else bool(weights_only)
+    with open(path, "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            raise CheckpointLoadError(f"Checkpoint file {str(path)!r} is empty (0 bytes)")
+        head = file.read(4)
+        if not head.startswith(_CHECKPOINT_MAGIC):
+            raise CheckpointLoadError(
+                f"{str(path)!r} is not a checkpoint file (another kind of file, or a corrupt one): it starts with"
+                f" {head!r}, while torch.save writes a zip archive (b'PK...') or a pickle (b'\\x80...')"
+            ) from None
+        return _load(file.fileno(), size, path, map_location, safe, legacy=head != _CHECKPOINT_MAGIC[0])
+
+
+def _load(fd: int, size: int, path: Path, map_location: Any, safe: bool, legacy: bool) -> Any:
     try:
-        check_file(path)
-        return torch.load(path, map_location=map_location, weights_only=safe)
+        if legacy:  # torch's legacy format: a pickle, with no checksums to check
+            say_once_nothing_to_check(path)
+            return torch.load(path, map_location=map_location, weights_only=safe)
+        return load_checked(
+            lambda archive: torch.load(archive, map_location=map_location, weights_only=safe),
+            fd,
+            0,
+            size,
+            repr(str(path)),
+        )
     except CorruptCheckpointError as err:
         raise CheckpointLoadError(str(err)) from None
     except pickle.UnpicklingError as err:
