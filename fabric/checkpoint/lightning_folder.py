@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from fabric.plugins.io.publish import INDEX_FILE
+from fabric.plugins.io.publish import INDEX_FILE, OBJECTS_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError, UnsafeCheckpointError, _weights_only_reason, safe_load
 
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's file of non-tensor entries beside the shards
@@ -30,8 +30,6 @@ LIGHTNING_META_FILE = "meta.pt"  # Lightning's file of non-tensor entries beside
 
 def is_lightning_folder(path: str | Path) -> bool:
     """Whether ``path`` is a sharded checkpoint folder in Lightning Fabric's layout (and not one of ours)."""
-    from fabric.checkpoint.sharded_folder import OBJECTS_FILE
-
     folder = Path(path)
     return (
         folder.is_dir()
@@ -46,8 +44,7 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from fabric.checkpoint.sharded_folder import _quiet_single_process, first_failure
-    from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, read_index
+    from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, first_failure, quiet_single_process, read_index
 
     folder = Path(path)
     index = read_index(folder)
@@ -63,7 +60,7 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
             flat[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
     planner = _SafeBytesPlanner(weights_only)
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.load(flat, storage_reader=SafeFileSystemReader(folder), planner=planner, no_dist=True)
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
         refused = [inner for inner in _failures(err) if isinstance(inner, UnsafeCheckpointError)]

@@ -10,9 +10,7 @@ module in one process, and back.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,11 +34,17 @@ from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import publish
 from fabric.plugins.io.integrity import crc32
-from fabric.plugins.io.publish import atomic_save
-from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, check_index_crc, read_index
+from fabric.plugins.io.publish import OBJECTS_FILE, atomic_save
+from fabric.plugins.io.safe_reader import (
+    SafeFileSystemReader,
+    check_data_files,
+    check_index_crc,
+    first_failure,
+    quiet_single_process,
+    read_index,
+)
 from fabric.plugins.io.single_file import CheckpointLoadError, safe_load
 
-OBJECTS_FILE = "fabric-objects.pt"
 FORMAT = "fabric-sharded-checkpoint"
 VERSION = 1
 
@@ -107,7 +111,7 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
     failed = f"Saving the sharded checkpoint {str(path)!r} failed; the previous one is kept."
     shards_error: str | None = None
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(
                 tensors,
                 storage_writer=dcp.FileSystemWriter(temp, sync_files=True),
@@ -285,24 +289,12 @@ def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = Fa
         return
     try:
         # without autograd a DTensor's local tensor is the object the planner hands the reader (``to_local``)
-        with _quiet_single_process(), torch.no_grad():
+        with quiet_single_process(), torch.no_grad():
             staging = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in destinations.values()]
             reader = SafeFileSystemReader(folder, staging=staging)
             dcp.load(destinations, storage_reader=reader, no_dist=full or not _distributed())
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
         raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
-
-
-def first_failure(err: BaseException) -> str:
-    """The first rank's own error inside torch's ``CheckpointException`` (which lists every rank's trace), in one line."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        inner = failures[rank]
-        inner = inner[0] if isinstance(inner, tuple) else inner
-        text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-        return f"on rank {rank}: {type(inner).__name__}: {text}"
-    return f"{type(err).__name__}: {err}"
 
 
 def read_objects(folder: Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -351,11 +343,5 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-@contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """torch warns that it "assumes" one process even when told so (``no_dist=True``): that is intended here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 

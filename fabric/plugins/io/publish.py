@@ -273,6 +273,7 @@ TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"
 ASIDE_PREFIX = ".fabric-old-"
 SPARE_PREFIX = ".fabric-spare-"
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
+OBJECTS_FILE = "fabric-objects.pt"  # fabric's file beside the shards: every entry but their tensors, and the index's CRC
 _TOKEN_BYTES = 6
 
 

@@ -15,7 +15,9 @@ into it.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +190,26 @@ def read_index(folder: Any, load_id: str | None = None) -> Metadata:
     storage_meta.load_id = load_id
     metadata.storage_meta = storage_meta
     return metadata
+
+
+# ---- torch.distributed.checkpoint's errors and warnings, for our messages ----------------------------------
+
+
+def first_failure(err: BaseException) -> str:
+    """The first rank's own error inside torch's ``CheckpointException`` (which lists every rank's trace), in one line."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        return f"on rank {rank}: {type(inner).__name__}: {text}"
+    return f"{type(err).__name__}: {err}"
+
+
+@contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """torch warns that it "assumes" one process even when told so (``no_dist=True``): that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
