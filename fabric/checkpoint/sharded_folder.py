@@ -179,7 +179,12 @@ def load_sharded(
             f"Loading the sharded checkpoint {str(path)!r} needs a dict of states such as"
             f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
         )
-    return restore(ShardedFolder(path, state, weights_only), state, strict=strict, agree=agree_in_group)
+    source = ShardedFolder(path, state, weights_only)
+    try:
+        return restore(source, state, strict=strict, agree=agree_in_group)
+    except BaseException:
+        source.undo_state_init()
+        raise
 
 
 class ShardedFolder:
@@ -192,6 +197,7 @@ class ShardedFolder:
         self._weights_only = weights_only
         self._opened: tuple[Path, dict[str, Any], Any] | None = None
         self._targets: dict[str, dict[str, Tensor]] = {}
+        self._had_no_state: list[Optimizer] = []  # optimizers that torch's state-dict API fills while checking
 
     def _open(self) -> tuple[Path, dict[str, Any], Any]:
         if self._opened is None:
@@ -226,6 +232,7 @@ class ShardedFolder:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         skeleton, kinds, paths, index = self.objects["skeleton"], self.objects["kinds"], self.objects["tensors"], self.index
+        self._had_no_state = [obj for obj in present.values() if isinstance(obj, Optimizer) and not obj.state]
         for key, obj in present.items():
             kind, saved_kind = layout.kind_of(obj), kinds.get(key, OTHER)
             fit.check_kind(key, kind, saved_kind)
@@ -255,6 +262,16 @@ class ShardedFolder:
                         )
                     into[flat] = target
             self._targets[key] = into
+
+    def undo_state_init(self) -> None:
+        """Empty again the optimizers that had no state before the check (a load that did not go through).
+
+        To see an optimizer's layout, torch's ``get_optimizer_state_dict`` gives one with no state yet a
+        state of its own (a zero-gradient step at learning rate 0: ``step`` 1, zero moments), which is
+        not what the optimizer's first real step would start from.
+        """
+        for optimizer in self._had_no_state:
+            optimizer.state.clear()
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Every entry's tensors read into new storage shaped like their targets (so a failed read changes

@@ -196,6 +196,23 @@ def test_a_truncated_or_missing_shard_file_is_named_before_anything_is_read(tmp_
     assert same(before, snapshot(target, target_optimizer))
 
 
+def test_a_refused_sharded_load_leaves_an_optimizer_without_state_without_state(tmp_path):
+    """torch's state-dict API gives an optimizer with no state a made-up one (step 1, zero moments) while we
+    check the folder; a load that does not go through must not leave it behind."""
+    folder, _ = saved_folder(tmp_path)
+    index = read_index(folder)
+    _, info = max(index.storage_data.items(), key=lambda pair: pair[1].length)
+    flip(folder / info.relative_path, info.offset + info.length // 2)
+    torch.manual_seed(1)
+    target = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    optimizer = torch.optim.Adam(target.parameters(), lr=0.1)  # never stepped: no state yet
+    before = snapshot(target, optimizer)
+    with pytest.raises(CheckpointLoadError, match="damaged"):
+        load_sharded(folder, {"model": target, "optimizer": optimizer})
+    assert not optimizer.state and all(p.grad is None for p in target.parameters())
+    assert same(before, snapshot(target, optimizer)) and optimizer.param_groups[0]["lr"] == 0.1
+
+
 # ---- random damage: a clear error and an unchanged target, or exactly the saved values -------------
 
 
