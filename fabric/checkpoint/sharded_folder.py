@@ -179,11 +179,11 @@ def load_sharded(
             f"Loading the sharded checkpoint {str(path)!r} needs a dict of states such as"
             f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
         )
-    source = ShardedFolder(path, state, weights_only)
+    folder = ShardedFolder(path, state, weights_only)
     try:
-        return restore(source, state, strict=strict, agree=agree_in_group)
+        return restore(folder, state, strict=strict, agree=agree_in_group)
     except BaseException:
-        source.undo_state_init()
+        folder.undo_state_init()
         raise
 
 
