@@ -31,7 +31,7 @@ try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
-__all__ = ["CheckedArchive", "CorruptCheckpointError", "check_file", "crc32", "load_checked", "verify_file", "verify_range"]
+__all__ = ["CheckedArchive", "CorruptCheckpointError", "crc32", "load_checked", "say_once_nothing_to_check"]
 
 T = TypeVar("T")
 
@@ -334,27 +334,6 @@ def _mismatch(record: _Record, where: str) -> str:
     )
 
 
-def verify_file(path: str | os.PathLike) -> bool:
-    """Check every record of the ``torch.save`` archive at ``path`` against its CRC-32 (reading the file).
-
-    Returns False for a file with nothing to check (the legacy pickle format); raises
-    :class:`CorruptCheckpointError` naming the file and the record when the bytes differ.
-    """
-    with open(path, "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
-        if size == 0 or file.read(4) != _LOCAL_SIGNATURE:
-            return False
-        CheckedArchive(file.fileno(), 0, size, repr(str(path))).finish()
-    return True
-
-
-def check_file(path: str | os.PathLike) -> None:
-    """Check the file's CRCs (raising :class:`CorruptCheckpointError`); a file with nothing to check is said
-    once in the log. A load reads through :func:`load_checked` instead, which checks as it reads."""
-    if not verify_file(path):
-        say_once_nothing_to_check(path)
-
-
 _told_unchecked = False
 
 
@@ -368,18 +347,6 @@ def say_once_nothing_to_check(path: str | os.PathLike) -> None:
             " checked for damage (said once per process)",
             stacklevel=3,
         )
-
-
-def verify_range(path: str | os.PathLike, offset: int, length: int, what: str) -> None:
-    """Check the ``torch.save`` archive stored at ``[offset, offset + length)`` of the file ``path`` (a shard
-    file's item), reading it; ``what`` names the item in the error."""
-    where = f"{str(path)!r} ({what})"
-    with open(path, "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
-        if offset + length > size:
-            raise CorruptCheckpointError(f"{where} is truncated: it needs bytes up to {offset + length}, the file has {size}")
-        if length:
-            CheckedArchive(file.fileno(), offset, length, where).finish()
 
 
 def _file_reader(fd: int, start: int) -> Callable[[int, int], bytes]:
