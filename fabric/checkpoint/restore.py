@@ -11,7 +11,7 @@ It goes in three steps, and the first two change nothing the user holds:
 
 The checkpoint's own record of the saving processes (``SAVED_RANKS_KEY``) is read in step 1: a
 ``SavedRanksStateful`` entry (a loader with a state of its own) says from it which state it loads on this
-rank, or why none fits, before anything changes. The record is never returned as part of the rest.
+rank, or why none fits, before anything changes. ``pipeline.load`` leaves it out of what it returns.
 
 After steps 1 and 2 the ranks agree (``agree``): if one rank failed, every rank raises and no rank
 changes anything, so a damaged or mismatched checkpoint never leaves replicas that differ. A format
@@ -115,7 +115,6 @@ def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: 
             stacklevel=4,
         )
     values, rest = agree(lambda: source.read(present), f"read the checkpoint {str(source.path)!r}")
-    rest.pop(SAVED_RANKS_KEY, None)
     for key, obj in present.items():
         value = values[key]
         if isinstance(obj, Module):
