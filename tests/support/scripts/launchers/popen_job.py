@@ -3,6 +3,7 @@
 Also runnable as `python -m support.scripts.launchers.popen_job` from the tests directory.
 """
 
+import os
 import signal
 import sys
 
@@ -33,7 +34,9 @@ def main() -> None:
             launcher.kill()
             print(f"killed {len(launcher.procs)} children", flush=True)
         raise
-    print(f"rank {result['rank']} returned", flush=True)
+    # One write per line: under PYTHONUNBUFFERED print writes the text and the newline apart, and the
+    # ranks share this pipe, so their lines could interleave.
+    os.write(1, f"rank {result['rank']} returned\n".encode())
 
 
 if __name__ == "__main__":
