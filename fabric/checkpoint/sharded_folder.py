@@ -275,9 +275,20 @@ class ShardedFolder:
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Every entry's tensors read into new storage shaped like their targets (so a failed read changes
-        nothing), then the rest of the checkpoint with full tensors."""
+        nothing), then the rest of the checkpoint with full tensors. An optimizer that had no state (a resumed
+        job's) is read into the placeholder state torch's API gave it: a failed load empties it again
+        (:meth:`undo_state_init`), and no second copy of its state is made."""
         skeleton, paths = self.objects["skeleton"], self.objects["tensors"]
-        staged = {flat: torch.empty_like(target) for into in self._targets.values() for flat, target in into.items()}
+        # a placeholder sharing memory with a parameter, a buffer or another placeholder is staged like the rest
+        taken = {_storage_of(tensor) for tensor in _parameters_and_buffers(present.values())}
+        staged = {}
+        for key, into in self._targets.items():
+            fresh = present[key] in self._had_no_state  # its state is torch's placeholder: read straight into it
+            for flat, target in into.items():
+                storage = _storage_of(target)
+                in_place = fresh and storage not in taken
+                taken.add(storage)
+                staged[flat] = target if in_place else torch.empty_like(target)
         _read_tensors(self.folder, staged)
         values = {
             key: layout.fill(skeleton[key], staged, paths, key) if key in self._targets else skeleton[key] for key in present
@@ -294,6 +305,25 @@ class ShardedFolder:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(layout.owner_of(optimizer, self._state, key), optimizer, value, options=StateDictOptions())
+
+
+def _storage_of(tensor: Tensor) -> int:
+    """Where a tensor's (or a DTensor's local) storage starts: tensors that share memory share it."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
+
+
+def _parameters_and_buffers(objects: Any) -> list[Tensor]:
+    """The parameters and buffers of the modules, and the parameters of the optimizers, among ``objects``."""
+    found: list[Tensor] = []
+    for obj in objects:
+        if isinstance(obj, Module):
+            found.extend([*obj.parameters(), *obj.buffers()])
+        elif isinstance(obj, Optimizer):
+            found.extend(param for group in obj.param_groups for param in group["params"])
+    return found
 
 
 def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False) -> None:

@@ -38,7 +38,9 @@ REFUSED = (CheckpointLoadError, CheckpointMismatchError)
 def stepped_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A model and an Adam optimizer that has stepped once (so it has state to lose)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    # the first weight (128 KiB) is over integrity.SMALL_ARCHIVE, the rest under: a folder's items take both
+    # read paths (straight into the new storage, or through torch.load)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(4, 64)).sum().backward()
     optimizer.step()
@@ -107,7 +109,7 @@ def test_a_flipped_bit_in_tensor_data_is_refused_naming_the_file_and_record(fabr
 def test_an_optimizer_state_of_the_wrong_shape_is_refused_before_anything_changes(fabric, tmp_path):
     model, optimizer = trained()
     state = optimizer.state_dict()
-    state["state"][0]["exp_avg"] = torch.zeros(3, 3)  # the first layer's weight is (128, 64)
+    state["state"][0]["exp_avg"] = torch.zeros(3, 3)  # the first layer's weight is (512, 64)
     path = tmp_path / "bad.pt"
     torch.save({"model": model.state_dict(), "optimizer": state}, path)
     for stepped in (True, False):  # an optimizer with state of its own, and one that never stepped
@@ -204,13 +206,51 @@ def test_a_refused_sharded_load_leaves_an_optimizer_without_state_without_state(
     _, info = max(index.storage_data.items(), key=lambda pair: pair[1].length)
     flip(folder / info.relative_path, info.offset + info.length // 2)
     torch.manual_seed(1)
-    target = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    target = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
     optimizer = torch.optim.Adam(target.parameters(), lr=0.1)  # never stepped: no state yet
     before = snapshot(target, optimizer)
     with pytest.raises(CheckpointLoadError, match="damaged"):
         load_sharded(folder, {"model": target, "optimizer": optimizer})
     assert not optimizer.state and all(p.grad is None for p in target.parameters())
     assert same(before, snapshot(target, optimizer)) and optimizer.param_groups[0]["lr"] == 0.1
+
+
+class AnchoredSGD(torch.optim.Optimizer):
+    """Keeps in its state a tensor that shares its parameter's memory, as some optimizers keep references."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self.state[param].setdefault("anchor", param.detach())
+                    param.add_(param.grad, alpha=-group["lr"])
+
+
+def test_a_fresh_optimizer_state_that_shares_a_parameters_memory_is_not_read_into_in_place(tmp_path):
+    """A resumed job's optimizer state is read straight into torch's placeholder, unless the placeholder shares
+    memory with a parameter: that one is staged, so damage found midway leaves the parameter as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
+    optimizer = AnchoredSGD(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    folder = tmp_path / "sharded"
+    save_sharded(folder, {"model": model, "optimizer": optimizer})
+    index = read_index(folder)
+    info = next(info for key, info in index.storage_data.items() if key.fqn == "optimizer/state/0.weight/anchor")
+    assert info.length > integrity.SMALL_ARCHIVE  # read straight into its destination
+    flip(folder / info.relative_path, info.offset + info.length // 2)
+    torch.manual_seed(1)
+    target = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
+    target_optimizer = AnchoredSGD(target.parameters())  # never stepped: torch's API makes its placeholder state
+    before = {name: value.clone() for name, value in target.state_dict().items()}
+    with pytest.raises(CheckpointLoadError, match="damaged"):
+        load_sharded(folder, {"model": target, "optimizer": target_optimizer})
+    assert same(before, target.state_dict()) and not target_optimizer.state
 
 
 # ---- random damage: a clear error and an unchanged target, or exactly the saved values -------------

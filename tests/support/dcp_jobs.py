@@ -7,11 +7,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from support.environment import job_environment
 from support.loading import script_path
 
 JOB = script_path("dcp", "job.py")
+
+
+def job_model() -> nn.Sequential:
+    """The model every ``job.py`` rank builds (before sharding it), and the tests load into plainly.
+
+    Wide enough that each rank's shard of either weight is over 64 KiB: such items are read straight into
+    the load's new storage, smaller ones (the biases) through ``torch.load`` (``safe_reader``), so both
+    read paths are exercised."""
+    return nn.Sequential(nn.Linear(6, 8192), nn.ReLU(), nn.Linear(8192, 4))
 
 
 def start_job(world_size: int, script: Path, *args: str) -> list[subprocess.Popen]:

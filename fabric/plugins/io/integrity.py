@@ -31,7 +31,7 @@ try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
-__all__ = ["CheckedArchive", "CorruptCheckpointError", "crc32", "load_checked", "say_once_nothing_to_check"]
+__all__ = ["SMALL_ARCHIVE", "CheckedArchive", "CorruptCheckpointError", "crc32", "load_checked", "say_once_nothing_to_check"]
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ _END64 = struct.Struct("<4sQ2H2L4Q")  # zip64 end of central directory: 56 bytes
 _END64_SIGNATURE = b"PK\x06\x06"
 _TAIL = 4096  # read at the archive's end to find its directory (torch's reader reads as much)
 _MAX_COMMENT = 0xFFFF
-_SMALL = 64 * 2**10  # an archive up to this size is read whole, checked, then loaded from memory
+SMALL_ARCHIVE = 64 * 2**10  # an archive up to this size is read whole, checked, then loaded from memory
 _NOTHING = memoryview(b"")
 _CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
 
@@ -177,6 +177,44 @@ class CheckedArchive:
     def close(self) -> None:
         pass
 
+    # ---- whole records, by name -------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """The archive's record names, in file order."""
+        return [record.name for record in self._records]
+
+    def record_size(self, name: str) -> int:
+        return self._record(name).size
+
+    def read_record(self, name: str) -> bytes:
+        """The bytes of record ``name`` (checked as they pass, as every read is)."""
+        record = self._located(name)
+        self.seek(record.data)
+        data = self.read(record.size)
+        if len(data) < record.size:
+            raise self._fail(f"{self._where} is truncated inside record {name!r}")
+        return data
+
+    def read_record_into(self, name: str, buffer: Any) -> None:
+        """Read record ``name`` whole into ``buffer`` (exactly its size), checked as it passes."""
+        record = self._located(name)
+        self.seek(record.data)
+        if self.readinto(buffer) < record.size:
+            raise self._fail(f"{self._where} is truncated inside record {name!r}")
+
+    def _record(self, name: str) -> _Record:
+        for record in self._records:
+            if record.name == name:
+                return record
+        raise KeyError(name)
+
+    def _located(self, name: str) -> _Record:
+        """Record ``name``, with where its bytes start read from its local header if not known yet."""
+        record = self._record(name)
+        if record.data < 0:
+            self._learn_header(record, os.pread(self._fd, _LOCAL.size, self._start + record.header))
+        return record
+
     # ---- the check --------------------------------------------------------------------------------
 
     def finish(self) -> None:
@@ -285,7 +323,7 @@ def load_checked(load: Callable[[Any], T], fd: int, start: int, length: int, whe
     loaded from those bytes: cheaper than the many small reads ``torch.load`` makes of a file. A larger one
     is loaded through a :class:`CheckedArchive`.
     """
-    if length <= _SMALL:
+    if length <= SMALL_ARCHIVE:
         image = os.pread(fd, length, start)
         if len(image) < length:
             raise CorruptCheckpointError(f"{where} is truncated: it needs {length} bytes, the file has {len(image)} there")

@@ -7,9 +7,9 @@ values never go through the folder's data files (fabric keeps them in a ``weight
 tensors are all this reader hands out.
 
 Each item is read once: ``torch.load`` reads it through ``integrity.load_checked``, which checks every
-record's CRC-32 as the bytes arrive. An item that fills a whole staging tensor of the load (new storage
-made for it, see ``sharded_folder``) gives that tensor its freshly loaded storage instead of being copied
-into it.
+record's CRC-32 as the bytes arrive. An item laid out exactly as a whole staging tensor of the load (new
+storage made for it, see ``sharded_folder``) is read straight into that tensor's memory (``tensor_record``);
+one that fills it in another layout gives it the storage ``torch.load`` made instead of being copied into it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
-from fabric.plugins.io.integrity import CorruptCheckpointError, crc32, load_checked
+from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, CorruptCheckpointError, crc32, load_checked
 from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError
+from fabric.plugins.io.tensor_record import read_into
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
 _ALLOWED_GLOBALS = {
@@ -97,14 +98,18 @@ class SafeFileSystemReader(FileSystemReader):
     def _read_item(self, fd: int, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
         where = f"{str(path)!r} (entry {item.storage_index.fqn!r})"
+        target = planner.resolve_tensor(item)
+        staging = self._staging.get(id(target)) is target
+        if staging and info.length > SMALL_ARCHIVE and read_into(CheckedArchive(fd, info.offset, info.length, where), target):
+            planner.commit_tensor(item, target)
+            return
         loaded = load_checked(_load_tensor, fd, info.offset, info.length, where)
         if not isinstance(loaded, Tensor):
             raise CorruptCheckpointError(f"{where} holds a {type(loaded).__name__}, not a tensor")
         loaded = _narrow(loaded, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item)
         if target.shape != loaded.shape:
             raise CorruptCheckpointError(f"{where} has shape {tuple(loaded.shape)} where the index says {tuple(target.shape)}")
-        if self._staging.get(id(target)) is target and _fills(target, loaded):
+        if staging and _fills(target, loaded):
             target.set_(loaded)  # type: ignore[call-overload]
         else:
             target.detach().copy_(loaded)

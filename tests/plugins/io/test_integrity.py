@@ -21,27 +21,7 @@ from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
 from fabric.plugins.io import CheckpointLoadError, integrity, safe_load
 from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError, load_checked
 from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
-
-
-def archive_bytes(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def data_range(data: bytes, suffix: str) -> tuple[int, int]:
-    """Where the bytes of the record whose name ends with ``suffix`` lie in the archive ``data``."""
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        info = next(info for info in archive.infolist() if info.filename.endswith(suffix))
-    header = info.header_offset
-    start = header + 30 + int.from_bytes(data[header + 26 : header + 28], "little") + int.from_bytes(data[header + 28 : header + 30], "little")
-    return start, info.compress_size
-
-
-def flipped(data: bytes, offset: int, bit: int = 2) -> bytes:
-    changed = bytearray(data)
-    changed[offset] ^= 1 << bit
-    return bytes(changed)
+from support.archives import archive_bytes, data_range, flipped
 
 
 def load_from(path: Path, start: int = 0, length: int | None = None) -> object:
@@ -157,7 +137,7 @@ def test_a_flipped_bit_in_any_record_is_refused_naming_it(tmp_path, record, size
     """Large archives: the big record streamed, the small ones at either end checked from memory."""
     obj = {"w": torch.randn(200, 100) if size == "large" else torch.randn(3)}
     data = archive_bytes(obj)
-    assert (len(data) > integrity._SMALL) == (size == "large")
+    assert (len(data) > integrity.SMALL_ARCHIVE) == (size == "large")
     start, length = data_range(data, record)
     path = tmp_path / "damaged.pt"
     path.write_bytes(flipped(data, start + length // 2))
@@ -288,14 +268,14 @@ def test_a_flipped_bit_in_a_large_single_file_record_is_refused_and_the_target_u
 
 
 def test_a_flipped_bit_in_a_small_shard_item_is_refused_and_the_target_unchanged(tmp_path):
-    """Items up to ``integrity._SMALL`` are read whole and checked in memory; a large item's flipped bit is
+    """Items up to ``integrity.SMALL_ARCHIVE`` are read whole and checked in memory; a large item's flipped bit is
     tests/checkpoint/test_damaged_checkpoints.py's."""
     model, optimizer = model_and_optimizer(0)
     folder = tmp_path / "sharded"
     save_sharded(folder, {"model": model, "optimizer": optimizer})
     index = read_index(folder)
     key, info = min(index.storage_data.items(), key=lambda pair: pair[1].length)
-    assert info.length <= integrity._SMALL
+    assert info.length <= integrity.SMALL_ARCHIVE
     shard = folder / info.relative_path
     data = shard.read_bytes()
     start, length = data_range(data[info.offset : info.offset + info.length], "data/0")
@@ -308,21 +288,26 @@ def test_a_flipped_bit_in_a_small_shard_item_is_refused_and_the_target_unchanged
     assert same(before, snapshot(target, target_optimizer))
 
 
-def test_a_staging_tensor_filled_whole_takes_the_loaded_storage_and_others_are_copied_into(tmp_path):
+def test_staging_tensors_are_read_into_or_take_the_loaded_storage_and_others_are_copied_into(tmp_path):
+    """A large item laid out as its staging tensor is read straight into the staging memory; a small one (read
+    whole, then ``torch.load``-ed) hands the staging tensor its loaded storage; a target that is not staging, or
+    a staging tensor of another dtype or other strides, is copied into."""
     import torch.distributed.checkpoint as dcp
 
-    saved = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
+    saved = {"large": torch.randn(256, 256), "small": torch.randn(64, 64), "b": torch.randn(64, 64)}
     dcp.save(saved, checkpoint_id=tmp_path / "ckpt", no_dist=True)
-    staging, target = torch.empty(64, 64), torch.empty(64, 64)
-    staging_storage, target_storage = staging.untyped_storage().data_ptr(), target.untyped_storage().data_ptr()
-    dcp.load({"a": staging, "b": target}, storage_reader=SafeFileSystemReader(tmp_path / "ckpt", staging=[staging]), no_dist=True)
-    assert torch.equal(staging, saved["a"]) and torch.equal(target, saved["b"])
-    assert staging.untyped_storage().data_ptr() != staging_storage  # handed the loaded storage: no copy
-    assert target.untyped_storage().data_ptr() == target_storage  # not ours to replace: copied into
+    large, small, target = torch.empty(256, 256), torch.empty(64, 64), torch.empty(64, 64)
+    pointers = [tensor.untyped_storage().data_ptr() for tensor in (large, small, target)]
+    reader = SafeFileSystemReader(tmp_path / "ckpt", staging=[large, small])
+    dcp.load({"large": large, "small": small, "b": target}, storage_reader=reader, no_dist=True)
+    assert torch.equal(large, saved["large"]) and torch.equal(small, saved["small"]) and torch.equal(target, saved["b"])
+    assert large.untyped_storage().data_ptr() == pointers[0]  # read in place: no second storage
+    assert small.untyped_storage().data_ptr() != pointers[1]  # handed the loaded storage: no copy
+    assert target.untyped_storage().data_ptr() == pointers[2]  # not ours to replace: copied into
     # a staging tensor the chunk cannot stand in for as it is (another dtype, other strides) is copied into
-    converted, transposed = torch.empty(64, 64, dtype=torch.float64), torch.empty(64, 64).t()
+    converted, transposed = torch.empty(256, 256, dtype=torch.float64), torch.empty(64, 64).t()
     pointers = [converted.untyped_storage().data_ptr(), transposed.untyped_storage().data_ptr()]
     reader = SafeFileSystemReader(tmp_path / "ckpt", staging=[converted, transposed])
-    dcp.load({"a": converted, "b": transposed}, storage_reader=reader, no_dist=True)
-    assert torch.equal(converted, saved["a"].double()) and torch.equal(transposed, saved["b"])
+    dcp.load({"large": converted, "b": transposed}, storage_reader=reader, no_dist=True)
+    assert torch.equal(converted, saved["large"].double()) and torch.equal(transposed, saved["b"])
     assert [converted.untyped_storage().data_ptr(), transposed.untyped_storage().data_ptr()] == pointers

@@ -22,7 +22,7 @@ from fabric.checkpoint.lightning_folder import is_lightning_folder
 from fabric.checkpoint.sharded_folder import load_sharded
 from fabric.plugins.io.safe_reader import read_index
 from fabric.plugins.io.single_file import CheckpointLoadError, UnsafeCheckpointError
-from support.dcp_jobs import run_job
+from support.dcp_jobs import job_model, run_job
 from support.environment import clean_env
 
 NOTE = {"text": "hi", "rank_zero": True}
@@ -30,7 +30,7 @@ NOTE = {"text": "hi", "rank_zero": True}
 
 def plain_model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))
+    model = job_model()
     return model, torch.optim.AdamW(model.parameters(), lr=0.5)
 
 

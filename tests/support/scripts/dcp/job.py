@@ -31,11 +31,12 @@ from fabric.utilities.group_lifetime import (
     leave_process_group_at_exit,
     track_device_mesh,
 )
+from support.dcp_jobs import job_model
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 4))
+    model = job_model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     track_device_mesh(mesh)  # as fabric's sharded strategies do: leaving the group makes the mesh let go of it
     for layer in (model[0], model[2]):
