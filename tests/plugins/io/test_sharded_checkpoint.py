@@ -21,7 +21,7 @@ from torch import nn
 from fabric.checkpoint.sharded_folder import load_sharded
 from support.dcp_jobs import JOB, finish_job, job_model, run_job, start_job
 from support.environment import clean_env, free_port
-from support.loading import script_path
+from support.loading import load_script, script_path
 
 
 def assert_same_state(actual: dict, expected: dict) -> None:
@@ -188,6 +188,6 @@ def test_a_resumed_jobs_checked_load_needs_no_more_peak_memory_than_torchs_in_pl
         )
         assert result.returncode == 0, result.stderr
         growth[mode] = int(result.stdout.split()[-1])
-    model_bytes = 4 * 2048 * 2048 * 4
+    model_bytes = load_script("dcp", "peak_memory").MODEL_BYTES
     assert growth["raw"] > 2 * model_bytes, growth  # torch's own initialisation of the Adam state is counted
     assert growth["ours"] < growth["raw"] + model_bytes // 2, growth

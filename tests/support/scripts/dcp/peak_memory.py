@@ -11,7 +11,6 @@ counted.
 
 from __future__ import annotations
 
-import resource
 import sys
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+from support.memory import peak_resident_bytes
 
 MODEL_BYTES = 4 * 2048 * 2048 * 4
 
@@ -74,10 +74,9 @@ def main() -> None:
 
     load(folder / f"tiny-{mode}", *build(1, 4))
     model, optimizer = build()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_resident_bytes()
     load(folder / mode, model, optimizer)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((after - before) * 1024)
+    print(peak_resident_bytes() - before)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ records numbers instead of asserting; rank r saves them to ``OUTDIR/rank{r}.pt``
 
 from __future__ import annotations
 
-import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from model import GLOBAL_BATCH, Block, data, full_parameters, make_net, max_diff
 
 from fabric import Fabric
 from fabric.strategies import FSDPStrategy, ModelParallelStrategy
+from support.memory import peak_resident_bytes
 
 STEPS = 10
 MAX_NORM = 0.5
@@ -83,13 +83,13 @@ def memory_check(strategy: Any, blocks: int, empty_init: bool) -> dict[str, Any]
     with fabric.init_module(empty_init=True):  # warm-up: the imports and buffers of a first sharding
         warm_up = fabric.setup_module(_WideNet(1, width=8))
     warm_up(torch.randn(2, 8)).sum().backward()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_before = peak_resident_bytes()
     with fabric.init_module(empty_init=empty_init):
         model = _WideNet(blocks)
     on_meta = all(p.is_meta for p in model.parameters())
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model = fabric.setup_module(model)
-    peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_after = peak_resident_bytes()
     params = list(model.module.parameters())
     local_bytes = sum(p.to_local().numel() * p.element_size() for p in params)
     # replicated copies must agree across ranks after materialisation
