@@ -53,9 +53,9 @@ def _storage_dtypes() -> dict[str, torch.dtype]:
     found = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reading a legacy storage class's dtype warns that the class is deprecated
-        for name in dir(torch):
+        for name in [name for name in dir(torch) if name.endswith("Storage")]:
             value = getattr(torch, name)
-            if name.endswith("Storage") and isinstance(value, type) and issubclass(value, torch.storage.TypedStorage):
+            if isinstance(value, type) and issubclass(value, torch.storage.TypedStorage):
                 dtype = getattr(value, "dtype", None)
                 if isinstance(dtype, torch.dtype):
                     found[name] = dtype
