@@ -307,12 +307,16 @@ class ShardedFolder:
         set_optimizer_state_dict(layout.owner_of(optimizer, self._state, key), optimizer, value, options=StateDictOptions())
 
 
-def _storage_of(tensor: Tensor) -> int:
-    """Where a tensor's (or a DTensor's local) storage starts: tensors that share memory share it."""
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local tensor (under ``no_grad``, the object the planner hands the reader); a tensor itself."""
     from torch.distributed.tensor import DTensor
 
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.untyped_storage().data_ptr()
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _storage_of(tensor: Tensor) -> int:
+    """Where a tensor's (or a DTensor's local) storage starts: tensors that share memory share it."""
+    return _local(tensor).untyped_storage().data_ptr()
 
 
 def _parameters_and_buffers(objects: Any) -> list[Tensor]:
@@ -328,16 +332,15 @@ def _parameters_and_buffers(objects: Any) -> list[Tensor]:
 
 def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False) -> None:
     """Fill ``destinations`` (flat key -> tensor or DTensor of any layout, new storage made for this load)
-    from the folder's shards; a destination that one saved chunk fills whole takes that chunk's storage."""
+    from the folder's shards; a destination laid out as one saved chunk is read straight into, one that a
+    chunk fills whole in another layout takes that chunk's storage."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.tensor import DTensor
 
     if not destinations:
         return
     try:
-        # without autograd a DTensor's local tensor is the object the planner hands the reader (``to_local``)
-        with quiet_single_process(), torch.no_grad():
-            staging = [tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in destinations.values()]
+        with quiet_single_process(), torch.no_grad():  # (see _local)
+            staging = [_local(tensor) for tensor in destinations.values()]
             reader = SafeFileSystemReader(folder, staging=staging)
             dcp.load(destinations, storage_reader=reader, no_dist=full or not _distributed())
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException

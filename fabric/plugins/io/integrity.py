@@ -215,6 +215,24 @@ class CheckedArchive:
             self._learn_header(record, os.pread(self._fd, _LOCAL.size, self._start + record.header))
         return record
 
+    def load_with(self, load: Callable[[Any], T]) -> T:
+        """``load(self)`` (``torch.load`` of this archive), every record checked before it returns; a damaged
+        archive raises :class:`CorruptCheckpointError`, whatever error the damage made inside ``load``."""
+        self.seek(0)  # from the archive's start, whatever was read of it before
+        try:
+            value = load(self)
+        except Exception:
+            if self.error is None:
+                try:
+                    self.finish()  # damage elsewhere explains the failure better than the loader's own error
+                except CorruptCheckpointError:
+                    pass  # (kept as self.error)
+            if self.error is not None:
+                raise self.error from None
+            raise
+        self.finish()
+        return value
+
     # ---- the check --------------------------------------------------------------------------------
 
     def finish(self) -> None:
@@ -329,20 +347,7 @@ def load_checked(load: Callable[[Any], T], fd: int, start: int, length: int, whe
             raise CorruptCheckpointError(f"{where} is truncated: it needs {length} bytes, the file has {len(image)} there")
         _check_image(image, where)
         return load(io.BytesIO(image))
-    archive = CheckedArchive(fd, start, length, where)
-    try:
-        value = load(archive)
-    except Exception:
-        if archive.error is None:
-            try:
-                archive.finish()  # damage elsewhere explains the failure better than the loader's own error
-            except CorruptCheckpointError:
-                pass  # (kept as archive.error)
-        if archive.error is not None:
-            raise archive.error from None
-        raise
-    archive.finish()
-    return value
+    return CheckedArchive(fd, start, length, where).load_with(load)
 
 
 def _check_image(image: bytes, where: str) -> None:

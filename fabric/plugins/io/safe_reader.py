@@ -100,10 +100,14 @@ class SafeFileSystemReader(FileSystemReader):
         where = f"{str(path)!r} (entry {item.storage_index.fqn!r})"
         target = planner.resolve_tensor(item)
         staging = self._staging.get(id(target)) is target
-        if staging and info.length > SMALL_ARCHIVE and read_into(CheckedArchive(fd, info.offset, info.length, where), target):
-            planner.commit_tensor(item, target)
-            return
-        loaded = load_checked(_load_tensor, fd, info.offset, info.length, where)
+        if staging and info.length > SMALL_ARCHIVE:
+            archive = CheckedArchive(fd, info.offset, info.length, where)
+            if read_into(archive, target):
+                planner.commit_tensor(item, target)
+                return
+            loaded = archive.load_with(_load_tensor)  # another layout: the same archive, through torch.load
+        else:
+            loaded = load_checked(_load_tensor, fd, info.offset, info.length, where)
         if not isinstance(loaded, Tensor):
             raise CorruptCheckpointError(f"{where} holds a {type(loaded).__name__}, not a tensor")
         loaded = _narrow(loaded, item.storage_offsets, item.lengths)
