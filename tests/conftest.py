@@ -17,7 +17,13 @@ for _path in (str(TESTS), str(REPO_ROOT)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from support import device_guard  # noqa: E402
 from support.environment import clean_env  # noqa: E402
+
+# NCCL's rule on every collective, in this process and in every Python process a test starts (see device_guard)
+os.environ.setdefault(device_guard.DEVICE_VARIABLE, "cpu")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [device_guard.SITE_FOLDER, os.environ.get("PYTHONPATH")]))
+device_guard.install()
 
 # fabric prints its INFO records itself when the root logger has no handler (as at import here); in the
 # tests they go through the root logger instead, where pytest's caplog sees them

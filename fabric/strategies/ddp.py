@@ -185,7 +185,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         if not (dist.is_available() and dist.is_initialized()):
             return tensor
         op, mean = _to_reduce_op(reduce_op)
-        result = tensor.detach().clone()
+        result = tensor.detach()
+        # a copy on the rank's device (NCCL serves nothing else): the caller's tensor is left alone
+        result = result.clone() if result.device == self.root_device else result.to(self.root_device)
         if result.dtype == torch.bool and (mean or op == dist.ReduceOp.SUM):
             result = result.to(torch.int64)  # a boolean sum would saturate at True: count the votes
         dist.all_reduce(result, op=op, group=group)

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from fabric._core.env import global_rank
 from fabric.strategies.strategy import REDUCE_OPS, ConnectorChoices, Strategy
+from fabric.utilities.collective_device import on_collective_device
 from fabric.utilities.rank_zero import set_rank_zero_rank
 
 
@@ -107,7 +108,7 @@ class ParallelStrategy(Strategy, ABC):
         if not (dist.is_available() and dist.is_initialized()):
             return tensor
         group = group if group is not None else dist.group.WORLD
-        tensor = tensor.contiguous()
+        tensor = on_collective_device(tensor, self.root_device).contiguous()
         if sync_grads:
             return _AllGatherWithGrad.apply(tensor, group)
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]

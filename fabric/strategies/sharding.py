@@ -29,6 +29,7 @@ from fabric.checkpoint.fit import check_optimizer_state_fits, check_state_dict_f
 from fabric.checkpoint.pipeline import CheckpointFormat
 from fabric.strategies.ddp import ProcessGroupStrategy
 from fabric.strategies.strategy import BackwardSyncControl, _entered_together
+from fabric.utilities.collective_device import broadcast_tensors
 from fabric.utilities.group_lifetime import track_device_mesh
 
 
@@ -99,11 +100,11 @@ class ShardedStrategy(ProcessGroupStrategy):
             raise RuntimeError(f"{type(self).__name__}.setup_module() needs the process group: call Fabric.launch() first")
         on_meta = has_meta_tensors(module)
         if not on_meta:
-            broadcast_module_from_rank_zero(module)  # like DDP: every rank starts from rank 0's weights
+            broadcast_module_from_rank_zero(module, self.root_device)  # like DDP: every rank starts from rank 0's weights
         before = list(module.parameters())
         module = self._shard(module)
         if on_meta:
-            materialize_module(module, self._materialization_device())
+            materialize_module(module, self._materialization_device(), self.root_device)
         move_plain_tensors(module, self.root_device)
         after = {id(p) for p in module.parameters()}
         self._replaced_parameters.update((id(p), weakref.ref(p)) for p in before if id(p) not in after)
@@ -223,14 +224,16 @@ def has_meta_tensors(module: Module) -> bool:
     return any(t.is_meta for t in chain(module.parameters(), module.buffers()))
 
 
-def broadcast_module_from_rank_zero(module: Module) -> None:
-    """Give every rank rank 0's parameters and buffers (before sharding: replicas must start equal)."""
-    with torch.no_grad():
-        for tensor in chain(module.parameters(), module.buffers()):
-            dist.broadcast(tensor.data, src=0)
+def broadcast_module_from_rank_zero(module: Module, device: torch.device) -> None:
+    """Give every rank rank 0's parameters and buffers (before sharding: replicas must start equal).
+
+    The tensors travel through ``device`` (the rank's device: NCCL serves nothing else) in a few packed
+    broadcasts, and stay where the module has them.
+    """
+    broadcast_tensors(list(chain(module.parameters(), module.buffers())), device, src=0)
 
 
-def materialize_module(module: Module, device: torch.device) -> None:
+def materialize_module(module: Module, device: torch.device, collective_device: torch.device) -> None:
     """Allocate the meta tensors of a sharded ``module`` on ``device`` (each rank only its shards) and initialize them.
 
     Initialization calls each submodule's ``reset_parameters()``; replicated copies (a replicated
@@ -254,23 +257,29 @@ def materialize_module(module: Module, device: torch.device) -> None:
             f" parameters and buffers hold uninitialized memory until a checkpoint is loaded: {', '.join(missing)}",
             stacklevel=3,
         )
-    broadcast_replicas(module)
+    broadcast_replicas(module, collective_device)
 
 
-def broadcast_replicas(module: Module) -> None:
-    """Make the copies of each replicated shard equal: the first rank of each replicating group sends its copy."""
+def broadcast_replicas(module: Module, device: torch.device) -> None:
+    """Make the copies of each replicated shard equal: the first rank of each replicating group sends its copy.
+
+    Plain tensors are replicated on every rank; a DTensor's local part is replicated over each mesh
+    dimension it is not sharded on. The copies of one group travel packed, through ``device``.
+    """
     from torch.distributed.distributed_c10d import get_global_rank
 
-    with torch.no_grad():
-        for tensor in chain(module.parameters(), module.buffers()):
-            if not isinstance(tensor, DTensor):
-                dist.broadcast(tensor.data, src=0)
-                continue
-            local = tensor.to_local()
-            for mesh_dim, placement in enumerate(tensor.placements):
-                if placement.is_replicate() and tensor.device_mesh.size(mesh_dim) > 1:
-                    group = tensor.device_mesh.get_group(mesh_dim)
-                    dist.broadcast(local, src=get_global_rank(group, 0), group=group)
+    by_group: dict[Any, list[Tensor]] = {}
+    for tensor in chain(module.parameters(), module.buffers()):
+        if not isinstance(tensor, DTensor):
+            by_group.setdefault(None, []).append(tensor.data)
+            continue
+        local = tensor.to_local()
+        for mesh_dim, placement in enumerate(tensor.placements):
+            if placement.is_replicate() and tensor.device_mesh.size(mesh_dim) > 1:
+                by_group.setdefault(tensor.device_mesh.get_group(mesh_dim), []).append(local)
+    for group, tensors in by_group.items():
+        src = 0 if group is None else get_global_rank(group, 0)
+        broadcast_tensors(tensors, device, src=src, group=group)
 
 
 def move_plain_tensors(module: Module, device: torch.device) -> None:
