@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from fabric.utilities.collective_device import _buckets, broadcast_tensors, on_collective_device
-from support import SCRIPTS
 from support.device_guard import DEVICE_VARIABLE, LOG_VARIABLE, served_devices
 from support.environment import job_environment
+from support.loading import script_path
 from support.processes import run
 
-JOB = SCRIPTS / "collective_device" / "job.py"
+JOB = script_path("collective_device", "job.py")
 
 
 def _job(mode: str, tmp_path: Path, **env: str) -> dict[int, dict]:
