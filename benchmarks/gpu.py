@@ -281,7 +281,11 @@ def _rounded(values: dict[str, float | None]) -> dict[str, float | None]:
     return {name: (round(value, 4) if value is not None else None) for name, value in values.items()}
 
 
-def measure_save(device: Device, reps: int, folder: Path, quick: bool, lightning: Any) -> dict[str, Any]:
+Progress = Callable[[dict[str, Any]], None]
+
+
+def measure_save(device: Device, reps: int, folder: Path, quick: bool, lightning: Any, progress: Progress | None = None) -> dict[str, Any]:
+    """The medians so far go to ``progress`` after every round (a slow disk cut by a timeout still leaves numbers)."""
     case = Case("transformer", device.name, quick)
     fabric = Fabric(accelerator=device.name, devices=1)
     model = case.model()
@@ -334,6 +338,12 @@ def measure_save(device: Device, reps: int, folder: Path, quick: bool, lightning
                 times[name].append(time.perf_counter() - start)
             for path in folder.iterdir():  # every save writes a new file, as a training run does
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if rep and progress is not None:
+            progress(_save_result(times, numel, device, rep, errors))
+    return _save_result(times, numel, device, reps, errors)
+
+
+def _save_result(times: dict[str, list[float]], numel: int, device: Device, reps: int, errors: dict[str, str]) -> dict[str, Any]:
     medians: dict[str, float | None] = {name: (statistics.median(values) if values else None) for name, values in times.items()}
     result: dict[str, Any] = {
         "state": f"{numel / 1e6:.1f}M parameters + AdamW state, on {device.name}",
@@ -342,7 +352,7 @@ def measure_save(device: Device, reps: int, folder: Path, quick: bool, lightning
         "reps": reps,
     }
     if errors:
-        result["errors"] = errors
+        result["errors"] = dict(errors)
     return result
 
 
@@ -398,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="fabric-gpu-save-"))
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            results["cases"]["save"] = measure_save(device, args.reps, folder, args.quick, lightning)
+
+            def progress(partial: dict[str, Any]) -> None:
+                results["cases"]["save"] = partial
+                write_json(args.json, results)
+
+            results["cases"]["save"] = measure_save(device, args.reps, folder, args.quick, lightning, progress)
         finally:
             if not args.dir:
                 shutil.rmtree(folder, ignore_errors=True)

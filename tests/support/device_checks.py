@@ -142,6 +142,15 @@ def _batches(steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, x.sum(dim=1, keepdim=True)) for x in xs]
 
 
+def same_as_raw(ours: torch.Tensor, raw: torch.Tensor, device: str) -> bool:
+    """The same loop gives the same bits on the CPU; on a GPU too, unless a library picks another kernel for one of
+    two identical calls, so there a difference within a few units of the dtype's last place is let through."""
+    if device == "cpu" or torch.equal(ours, raw):
+        return torch.equal(ours, raw)
+    eps = torch.finfo(ours.dtype).eps
+    return torch.allclose(ours, raw, rtol=8 * eps, atol=8 * eps)
+
+
 def check_true_precisions_match_raw(device: str, out: Path) -> None:
     """bf16-true / 16-true / 64-true: Fabric's loop gives bit for bit the parameters of the same loop in raw PyTorch
     (weights in the dtype, inputs cast to it, outputs cast back to float32, loss in float32)."""
@@ -166,9 +175,9 @@ def check_true_precisions_match_raw(device: str, out: Path) -> None:
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            assert torch.equal(loss, raw_loss), (precision, loss, raw_loss)
+            assert same_as_raw(loss, raw_loss, device), (precision, loss, raw_loss)
         for a, b in zip(raw.parameters(), model.parameters()):
-            assert torch.equal(a, b), precision
+            assert same_as_raw(a, b, device), precision
 
 
 def _sixteen_mixed(device: str) -> Fabric:
@@ -204,8 +213,8 @@ def check_16_mixed_skips_inf_and_restores_scaler(device: str, out: Path) -> None
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        assert torch.equal(loss, raw_loss)
-    assert all(torch.equal(a, b) for a, b in zip(raw.parameters(), model.parameters()))
+        assert same_as_raw(loss, raw_loss, device), (loss, raw_loss)
+    assert all(same_as_raw(a, b, device) for a, b in zip(raw.parameters(), model.parameters()))
     scale = scaler.get_scale()
     assert scale == raw_scaler.get_scale() and scale > 1
 
