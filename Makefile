@@ -6,7 +6,7 @@ VENV := .venv
 PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.fabric-installed
 
-.PHONY: venv demo test check horovod bench clean
+.PHONY: venv demo test check horovod bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -21,7 +21,7 @@ demo: venv
 
 ## Lint (ruff: the package, tests, benchmarks and examples) and type checks (mypy: the package); configured in pyproject.toml.
 check: venv
-	$(VENV)/bin/ruff check fabric tests benchmarks examples
+	$(VENV)/bin/ruff check fabric tests benchmarks examples scripts
 	$(VENV)/bin/mypy
 
 ## The checks, then the test suite (Horovod tests run when Horovod is installed: see `make horovod`).
@@ -38,6 +38,12 @@ bench: venv
 	$(PYTHON) benchmarks/ddp_step.py
 	$(PYTHON) benchmarks/launch.py
 	$(PYTHON) benchmarks/checkpoint.py
+
+## The GPU check: every CUDA test and the GPU benchmarks, results in OUT (gpu-check.json, junit.xml). No venv: the
+## python3 on PATH with torch; this checkout goes first on PYTHONPATH, before the caller's (which supplies isal if needed).
+gpu-check:
+	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=<folder> [GPU_CHECK_ARGS='--workers 4']" >&2; exit 2; }
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS) "$(OUT)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
