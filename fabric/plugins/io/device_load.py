@@ -351,17 +351,17 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
 
     archive.noting = True
     try:
-        value = archive.load_with(lambda file: load(file, place))
-        if archive.take_noted() is not None:
-            raise _Fallback("a storage record was read and not handed to map_location")
-        ring.drain()
+        try:
+            value = archive.load_with(lambda file: load(file, place))
+            if archive.take_noted() is not None:
+                raise _Fallback("a storage record was read and not handed to map_location")
+        finally:
+            ring.drain()  # every copy done while the staging it writes is still held, whatever happened
         staging.finish()
         return value
     except CorruptCheckpointError:
         raise
     except Exception:  # _Fallback, or torch refusing a callable map_location: the CPU path, which reports a bad file
-        ring.drain()
-        staging.finish()
-        return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
-    finally:
-        ring.drain()
+        pass
+    # (outside the handler: the failed attempt's staging is freed before the file is read again)
+    return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)

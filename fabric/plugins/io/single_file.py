@@ -119,11 +119,11 @@ def _load(fd: int, size: int, path: Path, map_location: Any, safe: bool, legacy:
             say_once_nothing_to_check(path)
             return torch.load(path, map_location=map_location, weights_only=safe)
         if device is not None and size > SMALL_ARCHIVE and map_location == "cpu":
-            from fabric.plugins.io import device_load
+            from fabric.plugins.io.device_load import load_staged, staging_for
 
-            staging = device_load.staging_for(device)
+            staging = staging_for(device)
             if staging is not None:
-                return device_load.load_staged(
+                return load_staged(
                     lambda archive, where_to: torch.load(archive, map_location=where_to, weights_only=safe), fd, size, repr(str(path)), staging
                 )
         return load_checked(
