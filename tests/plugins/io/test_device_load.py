@@ -431,31 +431,36 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @needs_gpu
 def test_fabric_load_into_a_gpu_model_reads_through_pinned_buffers_and_a_damaged_record_changes_nothing(tmp_path, monkeypatch):
     fabric = Fabric(accelerator="cuda", devices=1)
-    torch.manual_seed(0)
-    model, optimizer = model_and_optimizer()
-    model, optimizer = fabric.setup(model, optimizer)
-    model(torch.randn(4, 64, device=fabric.device)).sum().backward()
-    optimizer.step()
+
+    def stepped(seed: int) -> tuple[Any, Any]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10), nn.LayerNorm(10))
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+        model(torch.randn(4, 64, device=fabric.device)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return model, optimizer
+
+    model, optimizer = stepped(0)
     fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "extra": torch.ones(3, device=fabric.device)})
     saved = snapshot(model, optimizer)
     made: list[Any] = []
     staging_for = device_load.staging_for
     monkeypatch.setattr(device_load, "staging_for", lambda device: made.append(staging_for(device)) or made[-1])
-    torch.manual_seed(1)
-    other, other_optimizer = fabric.setup(*model_and_optimizer())
-    state = {"model": other, "optimizer": other_optimizer}
-    rest = fabric.load(tmp_path / "ckpt.pt", state)
+    other, other_optimizer = stepped(1)
+    rest = fabric.load(tmp_path / "ckpt.pt", {"model": other, "optimizer": other_optimizer})
     assert isinstance(made[0], device_load.CudaStaging)
     loaded = snapshot(other, other_optimizer)
     assert same(loaded[0], saved[0]) and same(loaded[1], saved[1])
     assert rest["extra"].device.type == "cpu"  # what is not a module's or optimizer's comes back on the CPU, as before
-    state_of_first = other_optimizer.optimizer.state[next(iter(other.parameters()))]
-    assert state_of_first["exp_avg"].is_cuda and not state_of_first["step"].is_cuda  # where the optimizer keeps them
+    state_of_first = other_optimizer.state[next(iter(other.parameters()))]
+    assert state_of_first["exp_avg"].is_cuda and not state_of_first["step"].is_cuda  # where AdamW keeps them
+    other(torch.randn(4, 64, device=fabric.device)).sum().backward()
+    other_optimizer.step()  # the loaded state works
 
     path = tmp_path / "ckpt.pt"
     damaged(path, "data/2")
-    torch.manual_seed(2)
-    third, third_optimizer = fabric.setup(*model_and_optimizer())
+    third, third_optimizer = stepped(2)
     before = snapshot(third, third_optimizer)
     with pytest.raises(CheckpointLoadError, match=r"the bytes of record '[^']+/data/2'"):
         fabric.load(path, {"model": third, "optimizer": third_optimizer})
