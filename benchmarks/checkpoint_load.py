@@ -31,11 +31,30 @@ times every load as the first of a new process that has just built the model and
 optimizer has no state yet (both sides allocate it: torch's state-dict API creates it before loading).
 
     python benchmarks/checkpoint_load.py [--size-mb 200] [--reps 9] [--dir DIR] [--cold] [--malloc reuse] [--threads 1] [--first-load]
+
+``--staged-on-cpu`` adds ``fabric.load`` through the staged path (``fabric/plugins/io/device_load.py``) with
+the CPU as its device, to compare it with the direct read the CPU keeps.
+
+``--device cuda``: a model of ``--size-mb`` MiB of parameters on the GPU (default 368: 96M parameters, with
+AdamW's state a 1.16 GB file), saved by ``fabric.save``, then loaded (model and optimizer) by
+
+* ``torch.load(map_location=cuda) + load_state_dict`` -- raw, the storages read to the CPU and copied to the GPU by torch.load;
+* ``torch.load(map_location=cpu) + load_state_dict``  -- raw, copied to the GPU by ``load_state_dict``;
+* ``fabric.load``                                     -- ours: read, CRC and host-to-device copy overlapping;
+* ``fabric.load, CPU path``                           -- ours as it loads into a CPU model (read to the CPU, CRC,
+                                                         then ``load_state_dict``), for comparison.
+
+The faster raw recipe (by median) is the reference of the ratio. Without a CUDA device it exits with
+status 2 and says so. ``--json PATH`` writes the results (medians, minimums, ratios, sizes, the device's
+name, torch's version) as JSON, for either device.
+
+    python benchmarks/checkpoint_load.py --device cuda [--size-mb 368] [--reps 7] [--json OUT.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -136,7 +155,150 @@ def variants_for(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         "file: fabric.load": ours_file,
         "folder: dcp.load in place": raw_folder,
         "folder: load_sharded": ours_folder,
+        "file: fabric.load, staged on the CPU": lambda: staged_on_cpu(ours_file),
     }
+
+
+def staged_on_cpu(load: Callable[[], None]) -> None:
+    """``load()`` with a load into CPU objects taking the staged path, the CPU as its device."""
+    from fabric.checkpoint import pipeline
+    from fabric.plugins.io import device_load
+
+    choose, staging_for = pipeline.staging_device, device_load.staging_for
+    pipeline.staging_device = lambda objects: torch.device("cpu")  # type: ignore[assignment]
+    device_load.staging_for = lambda device: device_load.HostStaging()  # type: ignore[assignment]
+    try:
+        load()
+    finally:
+        pipeline.staging_device, device_load.staging_for = choose, staging_for  # type: ignore[assignment]
+
+
+def cpu_path(load: Callable[[], None]) -> None:
+    """``load()`` with a load into GPU objects taking the CPU path (as before the staged path existed)."""
+    from fabric.plugins.io import device_load
+
+    staging_for = device_load.staging_for
+    device_load.staging_for = lambda device: None  # type: ignore[assignment]
+    try:
+        load()
+    finally:
+        device_load.staging_for = staging_for  # type: ignore[assignment]
+
+
+GPU_RAW = "torch.load(map_location=cuda) + load_state_dict"
+GPU_RAW_CPU = "torch.load(map_location=cpu) + load_state_dict"
+GPU_OURS = "fabric.load"
+GPU_OURS_CPU_PATH = "fabric.load, CPU path"
+
+
+def main_cuda(args: argparse.Namespace) -> int:
+    """The load into a model and its AdamW state on the GPU (see the module docstring); the exit status."""
+    if not torch.cuda.is_available():
+        print(
+            f"checkpoint_load.py --device cuda: no CUDA device found (torch {torch.__version__}, built for CUDA"
+            f" {torch.version.cuda}); nothing was measured",
+            file=sys.stderr,
+        )
+        return 2
+    if args.first_load or args.cold or args.malloc != "default":
+        print("checkpoint_load.py --device cuda: --first-load, --cold and --malloc are for --device cpu", file=sys.stderr)
+        return 2
+    from fabric import Fabric
+
+    size_mb = args.size_mb or 368
+    reps = args.reps or 7
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = model_of(size_mb).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 1024, device=device)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    fabric = Fabric(accelerator="cuda", devices=1)
+    root = Path(tempfile.mkdtemp(prefix="load-bench-", dir=args.dir))
+    path = root / "ckpt.pt"
+    try:
+        fabric.save(path, {"model": model, "optimizer": optimizer})
+        file_bytes = path.stat().st_size
+
+        def raw(where: torch.device | str) -> Callable[[], None]:
+            def load() -> None:
+                checkpoint = torch.load(path, map_location=where, weights_only=True)
+                model.load_state_dict(checkpoint["model"])
+                optimizer.load_state_dict(checkpoint["optimizer"])
+
+            return load
+
+        def ours() -> None:
+            fabric.load(path, {"model": model, "optimizer": optimizer})
+
+        variants = {GPU_RAW: raw(device), GPU_RAW_CPU: raw("cpu"), GPU_OURS: ours, GPU_OURS_CPU_PATH: lambda: cpu_path(ours)}
+
+        def timed_gpu(load: Callable[[], None]) -> tuple[float, int]:
+            """Seconds (every copy to the GPU done) and minor page faults of one load."""
+            torch.cuda.synchronize(device)
+            return timed(lambda: (load(), torch.cuda.synchronize(device))[0])
+
+        for variant in variants.values():  # once each, untimed: first-call costs (pinned buffers, CUDA's caches)
+            timed_gpu(variant)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        faults: dict[str, list[int]] = {name: [] for name in variants}
+        for _ in range(reps):
+            order = list(variants)
+            random.shuffle(order)
+            for name in order:
+                took, faulted = timed_gpu(variants[name])
+                times[name].append(took)
+                faults[name].append(faulted)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    name = torch.cuda.get_device_name(device)
+    params = sum(param.numel() for param in model.parameters())
+    print(
+        f"{name}, torch {torch.__version__} (CUDA {torch.version.cuda}): {params / 1e6:.1f}M parameters + AdamW,"
+        f" a {file_bytes / 1e9:.2f} GB file, {reps} repetitions, page cache"
+    )
+    print(f"{'variant':50s} {'median ms':>10s} {'min ms':>8s} {'faults':>8s}")
+    medians = {key: statistics.median(values) * 1000 for key, values in times.items()}
+    minimums = {key: min(values) * 1000 for key, values in times.items()}
+    for key in variants:
+        print(f"{key:50s} {medians[key]:10.1f} {minimums[key]:8.1f} {statistics.median(faults[key]):8.0f}")
+    reference = min((GPU_RAW, GPU_RAW_CPU), key=lambda key: medians[key])
+    ratio = medians[GPU_OURS] / medians[reference]
+    ratio_min = minimums[GPU_OURS] / min(minimums[GPU_RAW], minimums[GPU_RAW_CPU])
+    before = medians[GPU_OURS_CPU_PATH] / medians[reference]
+    print(
+        f"fabric.load / {reference}: {ratio:.3f}x (minimums {ratio_min:.3f}x; the CPU path: {before:.3f}x);"
+        f" goal <= 1.00x: {'met' if ratio <= 1.0 else 'NOT met'}"
+    )
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "benchmark": "checkpoint_load",
+                "device": "cuda",
+                "device_name": name,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+                "parameters": params,
+                "file_bytes": file_bytes,
+                "reps": reps,
+                "median_ms": medians,
+                "min_ms": minimums,
+                "raw_reference": reference,
+                "ratio": ratio,
+                "ratio_min": ratio_min,
+                "ratio_cpu_path": before,
+                "goal": 1.0,
+                "met": ratio <= 1.0,
+            },
+        )
+    return 0
+
+
+def write_json(path: str, results: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2) + "\n")
 
 
 def timed(load: Callable[[], None]) -> tuple[float, int]:
@@ -149,8 +311,11 @@ def timed(load: Callable[[], None]) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mb", type=int, default=200)
-    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--size-mb", type=int, default=None, help="MiB of parameters (default: 200 on the CPU, 368 on a GPU)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default: 9 on the CPU, 7 on a GPU)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model lives (cuda: see above)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--staged-on-cpu", action="store_true", help="also time fabric.load through the staged path on the CPU")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--cold", action="store_true", help="evict the checkpoint files from the page cache before every load")
     parser.add_argument("--malloc", choices=["default", "reuse"], default="default", help="glibc's thresholds (see above)")
@@ -160,6 +325,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        sys.exit(main_cuda(args))
+    args.size_mb = args.size_mb or 200
+    args.reps = args.reps or 9
     if args.malloc == "reuse" and any(os.environ.get(name) != value for name, value in _REUSE.items()):
         # glibc reads these when the process starts: run again with them set
         sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, **_REUSE}))
@@ -179,6 +348,8 @@ def main() -> None:
     else:
         del model, optimizer, variants  # the children load; this process only keeps the files
     names = ["file: torch.load + load_state_dict", "file: fabric.load", "folder: dcp.load in place", "folder: load_sharded"]
+    if args.staged_on_cpu:
+        names.append("file: fabric.load, staged on the CPU")
     times: dict[str, list[float]] = {name: [] for name in names}
     faults: dict[str, list[int]] = {name: [] for name in names}
     for _ in range(args.reps):
@@ -215,6 +386,27 @@ def main() -> None:
         f"fabric.load / raw file load: {ratio(*file_pair, statistics.median):.2f}x (minimums {ratio(*file_pair, min):.2f}x);"
         f" load_sharded / dcp.load in place: {ratio(*folder_pair, statistics.median):.2f}x (minimums {ratio(*folder_pair, min):.2f}x)"
     )
+    staged_pair = ("file: fabric.load, staged on the CPU", "file: torch.load + load_state_dict")
+    if args.staged_on_cpu:
+        print(f"fabric.load staged on the CPU / raw file load: {ratio(*staged_pair, statistics.median):.2f}x (minimums {ratio(*staged_pair, min):.2f}x)")
+    if args.json:
+        write_json(
+            args.json,
+            {
+                "benchmark": "checkpoint_load",
+                "device": "cpu",
+                "torch": torch.__version__,
+                "size_mb": args.size_mb,
+                "reps": args.reps,
+                "where": where,
+                "median_ms": {name: statistics.median(values) * 1000 for name, values in times.items()},
+                "min_ms": {name: min(values) * 1000 for name, values in times.items()},
+                "ratio": ratio(*file_pair, statistics.median),
+                "ratio_min": ratio(*file_pair, min),
+                "ratio_sharded": ratio(*folder_pair, statistics.median),
+                **({"ratio_staged_on_cpu": ratio(*staged_pair, statistics.median)} if args.staged_on_cpu else {}),
+            },
+        )
 
 
 if __name__ == "__main__":

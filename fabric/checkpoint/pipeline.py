@@ -15,8 +15,9 @@ The strategy is reached only through :class:`CheckpointHost`, so nothing here im
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -156,11 +157,56 @@ def _load(
     if state is None:
         return host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     if isinstance(state, (Module, Optimizer)):  # load_raw: one object, checked before it changes
-        source = StateDictFile(host, lambda: {"raw": host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)}, path)
+        read_raw = _reader(host, path, weights_only, {"raw": state}, whole=True)
+        source = StateDictFile(host, lambda: {"raw": read_raw()}, path)
         restore(source, {"raw": state}, strict=strict, agree=_alone)
         return {}
-    read = partial(host.checkpoint_io.load_checkpoint, path, weights_only=weights_only)
-    return restore(StateDictFile(host, read, path), state, strict=strict, agree=partial(_agree_through, host))
+    return restore(StateDictFile(host, _reader(host, path, weights_only, state), path), state, strict=strict, agree=partial(_agree_through, host))
+
+
+def _reader(host: CheckpointHost, path: str | Path, weights_only: bool | None, state: dict[str, Any], whole: bool = False) -> Callable[[], Any]:
+    """How the single file is read for ``state``: into new storage on the GPU that ``state``'s modules and
+    optimizers live on, where there is one and the plain CheckpointIO reads (``device_load``); else as the
+    CheckpointIO reads (on the CPU). ``whole``: the file is the one object's state dict (``load_raw``)."""
+    device = staging_device(state.values())
+    checkpoint_io = host.checkpoint_io
+    if device is None or type(checkpoint_io) is not TorchCheckpointIO:
+        return partial(checkpoint_io.load_checkpoint, path, weights_only=weights_only)
+    objects = [key for key, obj in state.items() if isinstance(obj, (Module, Optimizer))]
+
+    def read() -> Any:
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        checkpoint = checkpoint_io.load_checkpoint(path, weights_only=weights_only, device=device)
+        if not whole and isinstance(checkpoint, dict):  # what is not a module's or optimizer's comes back on the CPU, as before
+            for key, value in checkpoint.items():
+                if key not in objects:
+                    checkpoint[key] = apply_to_collection(value, Tensor, _to_cpu)
+        return checkpoint
+
+    return read
+
+
+def _to_cpu(tensor: Tensor) -> Tensor:
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def staging_device(objects: Iterable[Any]) -> torch.device | None:
+    """The CUDA device every tensor of the modules and optimizers among ``objects`` is on, if there is one."""
+    device = None
+    for obj in objects:
+        if isinstance(obj, Module):
+            tensors: Iterable[Tensor] = chain(obj.parameters(), obj.buffers())
+        elif isinstance(obj, Optimizer):
+            tensors = (param for group in obj.param_groups for param in group["params"])
+        else:
+            continue
+        for tensor in tensors:
+            if device is None:
+                device = tensor.device
+            elif tensor.device != device:
+                return None
+    return device if device is not None and device.type == "cuda" else None
 
 
 def incomplete_folder(folder: Path) -> str:

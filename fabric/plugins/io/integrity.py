@@ -31,7 +31,7 @@ try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
-__all__ = ["SMALL_ARCHIVE", "CheckedArchive", "CorruptCheckpointError", "crc32", "load_checked", "say_once_nothing_to_check"]
+__all__ = ["SMALL_ARCHIVE", "CheckedArchive", "CorruptCheckpointError", "crc32", "load_checked", "mismatch_message", "say_once_nothing_to_check"]
 
 T = TypeVar("T")
 
@@ -371,8 +371,13 @@ def _data_start(record: _Record, header: bytes, directory_start: int, where: str
 
 
 def _mismatch(record: _Record, where: str) -> str:
+    return mismatch_message(record.name, record.size, where)
+
+
+def mismatch_message(name: str, size: int, where: str) -> str:
+    """What a record whose bytes differ from their CRC is refused with."""
     return (
-        f"{where} is damaged: the bytes of record {record.name!r} ({record.size} bytes) do not match the checksum"
+        f"{where} is damaged: the bytes of record {name!r} ({size} bytes) do not match the checksum"
         " written with them (bit rot, or a partial overwrite)"
     )
 

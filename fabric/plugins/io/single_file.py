@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fabric.plugins.io.integrity import CorruptCheckpointError, load_checked, say_once_nothing_to_check
+from fabric.plugins.io.integrity import SMALL_ARCHIVE, CorruptCheckpointError, load_checked, say_once_nothing_to_check
 from fabric.plugins.io.publish import atomic_save
 
 
@@ -64,9 +64,16 @@ class TorchCheckpointIO(CheckpointIO):
         atomic_save(checkpoint, path)
 
     def load_checkpoint(
-        self, path: str | Path, map_location: Any | None = None, weights_only: bool | None = None
+        self,
+        path: str | Path,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+        *,
+        device: torch.device | None = None,
     ) -> dict[str, Any]:
-        return safe_load(path, map_location=map_location if map_location is not None else "cpu", weights_only=weights_only)
+        """``safe_load``; ``device`` (a GPU the loaded values are for): the storages saved on an accelerator are
+        read into new storage there, overlapping the read, the CRC and the copy (``device_load``)."""
+        return safe_load(path, map_location=map_location if map_location is not None else "cpu", weights_only=weights_only, device=device)
 
     def remove_checkpoint(self, path: str | Path) -> None:
         path = Path(path)
@@ -80,9 +87,13 @@ class TorchCheckpointIO(CheckpointIO):
 
 
 
-def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | None = None) -> Any:
+def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | None = None, device: torch.device | None = None) -> Any:
     """``torch.load`` with ``weights_only=True`` unless explicitly disabled, every record's CRC-32 checked as it
-    is read (``integrity.load_checked``), and errors that name the file."""
+    is read (``integrity.load_checked``), and errors that name the file.
+
+    With ``device`` (a GPU), storages saved on an accelerator are read into new storage on ``device``
+    through pinned buffers, read, CRC and copy overlapping (``device_load.load_staged``), and the others as
+    ``map_location`` says; on a device without a staged path (the CPU) ``device`` changes nothing."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint file not found: {str(path)!r}")
@@ -99,14 +110,22 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
                 f"{str(path)!r} is not a checkpoint file (another kind of file, or a corrupt one): it starts with"
                 f" {head!r}, while torch.save writes a zip archive (b'PK...') or a pickle (b'\\x80...')"
             ) from None
-        return _load(file.fileno(), size, path, map_location, safe, legacy=head != _CHECKPOINT_MAGIC[0])
+        return _load(file.fileno(), size, path, map_location, safe, legacy=head != _CHECKPOINT_MAGIC[0], device=device)
 
 
-def _load(fd: int, size: int, path: Path, map_location: Any, safe: bool, legacy: bool) -> Any:
+def _load(fd: int, size: int, path: Path, map_location: Any, safe: bool, legacy: bool, device: torch.device | None = None) -> Any:
     try:
         if legacy:  # torch's legacy format: a pickle, with no checksums to check
             say_once_nothing_to_check(path)
             return torch.load(path, map_location=map_location, weights_only=safe)
+        if device is not None and size > SMALL_ARCHIVE and map_location == "cpu":
+            from fabric.plugins.io.device_load import load_staged, staging_for
+
+            staging = staging_for(device)
+            if staging is not None:
+                return load_staged(
+                    lambda archive, where_to: torch.load(archive, map_location=where_to, weights_only=safe), fd, size, repr(str(path)), staging
+                )
         return load_checked(
             lambda archive: torch.load(archive, map_location=map_location, weights_only=safe),
             fd,

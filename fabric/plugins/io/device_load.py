@@ -1,0 +1,367 @@
+"""A checked single-file load whose tensors go straight to a GPU: read, CRC and host-to-device copy overlap.
+
+A load into objects on a GPU used to read the whole file into new CPU storage (the CRC of every chunk
+taken as it passed), then ``load_state_dict`` copied each tensor to the device from pageable memory, one
+synchronous copy after another. Here ``torch.load`` still unpickles the file (``weights_only`` as asked),
+but the bytes of each storage saved on an accelerator are read into a small ring of pinned host buffers
+(:class:`RingReader`), their CRC-32 taken chunk by chunk while the chunk is in the CPU's cache, and each
+filled buffer is copied to new storage on the device on a side stream while the next one is read. A
+buffer is read into again only after its copies completed. Storages saved on the CPU (an optimizer's
+``step``) are read as before, into CPU storage.
+
+The loaded values are new storage (the staging): nothing the user holds changes while the file is read,
+and a damaged record raises :class:`~fabric.plugins.io.integrity.CorruptCheckpointError` naming it before
+``torch.load`` returns; the copies already made then went into staging that is dropped. The load walk
+(``fabric.checkpoint.restore``) checks the fit and the ranks agree before any value goes in, as for the
+CPU path.
+
+How it rides on ``torch.load``: torch's zip reader reads a storage's record whole, with one ``readinto`` at
+the record's first byte, into CPU storage it has just allocated, then hands that storage to
+``map_location``. :class:`_StagingArchive` notes such a read of a storage record instead of making it
+(the CPU storage is never touched, so it costs no page faults), and the ``map_location`` callable reads
+the noted record through the ring into device storage it returns instead. A read torch makes in any
+other pattern is served as before (the callable then copies the read storage over); anything unexpected
+(``torch.load`` reading a noted record for another purpose, a file torch cannot load with a callable
+``map_location``, no GPU memory for the staging) falls back to the CPU path.
+
+The scheduling (:class:`RingReader`) knows nothing of CUDA: a :class:`Staging` supplies the buffers, the
+copies and the waits. :class:`CudaStaging` is the GPU's (pinned buffers, one side stream, an event per
+copy); :class:`HostStaging` does the same on the CPU (the tests' ``Staging``; on the CPU the direct read
+into new storage is faster, one copy fewer, and stays the path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError, crc32, load_checked, mismatch_message
+
+__all__ = ["BUFFERS", "BUFFER_BYTES", "CudaStaging", "HostStaging", "RingReader", "Staging", "load_staged", "staging_for"]
+
+T = TypeVar("T")
+
+BUFFERS = 4  # pinned host buffers in the ring
+BUFFER_BYTES = 8 * 2**20  # each: one host-to-device copy moves up to this much; 32 MiB pinned in all
+_CRC_CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
+_STORAGE_RECORD = re.compile(r"(?:^|/)data/[^/]+$")  # "archive/data/0"; not "archive/data.pkl" nor "archive/.data/..."
+
+
+class Staging(Protocol):
+    """The device's part of a staged load: host buffers, new device storage, and copies that finish later."""
+
+    def buffers(self) -> Sequence[Tensor]:
+        """The ring's host buffers: 1-D uint8 CPU tensors (pinned for a GPU)."""
+        ...
+
+    def takes(self, location: str) -> bool:
+        """Whether a storage saved at ``location`` ("cuda:0", "cpu", ...) is read into device storage."""
+        ...
+
+    def new_storage(self, nbytes: int) -> torch.UntypedStorage:
+        """New device storage of ``nbytes`` (the staging one record is copied into)."""
+        ...
+
+    def copy(self, source: Tensor, destination: Tensor) -> Any:
+        """Start copying ``source`` (a part of a buffer) into ``destination`` (uint8, the same length); return a
+        handle for :meth:`wait`. ``source`` must not be written until then."""
+        ...
+
+    def wait(self, handle: Any) -> None:
+        """Block until the copy of ``handle`` is done."""
+        ...
+
+    def to_device(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A device copy of ``storage`` (CPU storage torch has already read and checked); done when it returns."""
+        ...
+
+    def finish(self) -> None:
+        """Every copy done (after the ring drained): the staging may be used on any stream."""
+        ...
+
+
+def byte_view(tensor: Tensor) -> memoryview:
+    """A writable view of the bytes of the contiguous CPU ``tensor``."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B") if nbytes else memoryview(bytearray())
+
+
+def as_bytes(storage: torch.UntypedStorage) -> Tensor:
+    """``storage`` as a 1-D uint8 tensor (a view, on the storage's device)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class RingReader:
+    """Reads records of a file into a ring of host buffers, takes the CRC-32 of every byte as it arrives, and
+    hands each filled part of a buffer to ``staging.copy`` towards its destination.
+
+    ``read_at(view, offset)`` reads the file's bytes at ``offset`` into ``view`` and returns how many it read
+    (0 at the end). A record larger than a buffer goes in buffer-sized parts; small records share a buffer.
+    A buffer is read into again only after ``staging.wait`` returned for every copy out of it, so reading
+    the next part overlaps the copies of the last ones. A record whose CRC differs, or that the file ends
+    inside, raises :class:`CorruptCheckpointError` naming it, once its copies are done (its destination then
+    holds unchecked bytes: the caller drops it).
+    """
+
+    def __init__(
+        self,
+        read_at: Callable[[memoryview, int], int],
+        staging: Staging,
+        where: str,
+        *,
+        crc_chunk: int = _CRC_CHUNK,
+        crc: Callable[[Any, int], int] = crc32,
+    ) -> None:
+        self._read_at, self._staging, self._where = read_at, staging, where
+        self._buffers = list(staging.buffers())
+        if not self._buffers or any(buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() == 0 for buffer in self._buffers):
+            raise ValueError("RingReader needs at least one non-empty 1-D uint8 buffer")
+        self._views = [byte_view(buffer) for buffer in self._buffers]
+        self._size = min(buffer.numel() for buffer in self._buffers)
+        self._crc_chunk, self._crc = max(crc_chunk, 1), crc
+        self._pending: list[list[Any]] = [[] for _ in self._buffers]  # per buffer, the copies out of it not yet waited for
+        self._index, self._fill = 0, 0  # the buffer being filled, and how far
+
+    def read(self, name: str, offset: int, size: int, expected_crc: int, destination: Tensor) -> None:
+        """Read record ``name`` (``size`` bytes at ``offset`` in the file) into ``destination`` (uint8, ``size``
+        long) through the ring; raise :class:`CorruptCheckpointError` if its bytes do not match ``expected_crc``."""
+        if destination.dtype != torch.uint8 or destination.numel() != size:
+            raise ValueError(f"the destination of record {name!r} must be {size} uint8 elements, got {destination.numel()} {destination.dtype}")
+        try:
+            crc, done = 0, 0
+            while done < size:
+                length = min(size - done, self._size)
+                index, start = self._claim(length)
+                view = self._views[index][start : start + length]
+                got = 0
+                while got < length:
+                    part = view[got : got + min(self._crc_chunk, length - got)]
+                    count = self._read_at(part, offset + done + got)
+                    if count <= 0:
+                        raise CorruptCheckpointError(f"{self._where} is truncated inside record {name!r}")
+                    crc = self._crc(part[:count], crc)
+                    got += count
+                self._pending[index].append(self._staging.copy(self._buffers[index][start : start + length], destination[done : done + length]))
+                done += length
+            if crc != expected_crc:
+                raise CorruptCheckpointError(mismatch_message(name, size, self._where))
+        except BaseException:
+            self.drain()  # no copy still reads a buffer, nor writes a destination the caller is about to drop
+            raise
+
+    def _claim(self, length: int) -> tuple[int, int]:
+        """A place for ``length`` bytes (at most a buffer): the rest of the current buffer, else the next buffer,
+        once every copy out of it is done."""
+        if self._fill + length > self._size:
+            self._index = (self._index + 1) % len(self._buffers)
+            self._fill = 0
+            self._wait(self._index)
+        start = self._fill
+        self._fill += length
+        return self._index, start
+
+    def _wait(self, index: int) -> None:
+        pending = self._pending[index]
+        while pending:
+            self._staging.wait(pending[0])
+            pending.pop(0)
+
+    def drain(self) -> None:
+        """Wait for every copy out of every buffer."""
+        for index in range(len(self._buffers)):
+            self._wait(index)
+
+
+class HostStaging:
+    """:class:`Staging` on the CPU: plain buffers, staging in CPU memory, copies done at once."""
+
+    def __init__(self, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES, takes: Callable[[str], bool] = lambda location: True) -> None:
+        self._count, self._bytes, self._takes = buffers, buffer_bytes, takes
+
+    def buffers(self) -> Sequence[Tensor]:
+        return [torch.empty(self._bytes, dtype=torch.uint8) for _ in range(self._count)]
+
+    def takes(self, location: str) -> bool:
+        return self._takes(location)
+
+    def new_storage(self, nbytes: int) -> torch.UntypedStorage:
+        return torch.UntypedStorage(nbytes)
+
+    def copy(self, source: Tensor, destination: Tensor) -> None:
+        destination.copy_(source)
+
+    def wait(self, handle: Any) -> None:
+        pass
+
+    def to_device(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        return storage.clone()
+
+    def finish(self) -> None:
+        pass
+
+
+class CudaStaging:
+    """:class:`Staging` for a CUDA ``device``: pinned buffers (torch's caching host allocator keeps them for the
+    next load), staging allocated on the current stream, copies on a side stream, one event per copy.
+
+    A storage saved on an accelerator goes to ``device``; one saved on the CPU stays there (an optimizer's
+    ``step``, which torch keeps on the CPU unless the optimizer is capturable or fused).
+    """
+
+    def __init__(self, device: torch.device, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES) -> None:
+        self.device = device
+        self._count, self._bytes = buffers, buffer_bytes
+        self._current = torch.cuda.current_stream(device)
+        self._stream = torch.cuda.Stream(device=device)
+
+    def buffers(self) -> Sequence[Tensor]:
+        return [torch.empty(self._bytes, dtype=torch.uint8, pin_memory=True) for _ in range(self._count)]
+
+    def takes(self, location: str) -> bool:
+        return not location.startswith("cpu")
+
+    def new_storage(self, nbytes: int) -> torch.UntypedStorage:
+        storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+        # the memory may have been freed on the current stream by work still queued there: the side stream
+        # writes it only after that work (a wait on the device, the CPU does not block)
+        self._stream.wait_stream(self._current)
+        return storage
+
+    def copy(self, source: Tensor, destination: Tensor) -> torch.cuda.Event:
+        with torch.cuda.stream(self._stream):
+            destination.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
+
+    def wait(self, handle: Any) -> None:
+        handle.synchronize()
+
+    def to_device(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        return as_bytes(storage).to(self.device).untyped_storage()
+
+    def finish(self) -> None:
+        self._stream.synchronize()  # every copy done: the staging can be used (and freed) on any stream
+
+
+def staging_for(device: torch.device | str | None) -> Staging | None:
+    """The :class:`Staging` for loading into objects on ``device``, or None where the CPU path is the one (the
+    CPU: reading straight into new storage there is one copy fewer than a ring)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return CudaStaging(device)
+
+
+class _Fallback(Exception):
+    """The staged load cannot go on (an unexpected read, no device memory): the CPU path loads the file."""
+
+
+class _StagingArchive(CheckedArchive):
+    """A :class:`CheckedArchive` that notes a whole read of a storage record instead of making it (see the
+    module docstring), for the ``map_location`` callable to read into device storage."""
+
+    def __init__(self, fd: int, start: int, length: int, where: str) -> None:
+        super().__init__(fd, start, length, where)
+        self._storage_records = {record.name for record in self._records if _STORAGE_RECORD.search(record.name)}
+        self._noted: Any = None  # the storage record whose read was noted, not yet taken
+        self.noting = False
+
+    def readinto(self, buffer: Any) -> int:
+        if self.noting:
+            record = self._by_data.get(self._pos)
+            if record is not None and not record.verified and record.name in self._storage_records:
+                view = memoryview(buffer)
+                if view.nbytes == record.size:
+                    if self._noted is not None:
+                        raise _Fallback(f"storage records {self._noted.name!r} and {record.name!r} were read one after the other")
+                    self._noted = record
+                    self._pos += record.size
+                    return record.size
+        if self._noted is not None:
+            raise _Fallback(f"storage record {self._noted.name!r} was read and not handed to map_location")
+        return super().readinto(buffer)
+
+    def read(self, size: int | None = -1) -> bytes:
+        if self._noted is not None:
+            raise _Fallback(f"storage record {self._noted.name!r} was read and not handed to map_location")
+        return super().read(size)
+
+    def take_noted(self) -> Any:
+        noted, self._noted = self._noted, None
+        return noted
+
+    def read_noted_into(self, record: Any, destination: Tensor) -> None:
+        """Read the noted ``record`` into CPU ``destination`` (its storage), checked as every read is."""
+        noting, self.noting = self.noting, False
+        try:
+            self.seek(record.data)
+            if self.readinto(byte_view(destination)) < record.size:
+                raise self._fail(f"{self._where} is truncated inside record {record.name!r}")
+        finally:
+            self.noting = noting
+
+    def read_noted_through(self, record: Any, ring: RingReader, destination: Tensor) -> None:
+        """Read the noted ``record`` through ``ring`` into ``destination`` (device storage), its CRC checked."""
+        try:
+            ring.read(record.name, self._start + record.data, record.size, record.crc, destination)
+        except CorruptCheckpointError as err:
+            raise self._fail(str(err)) from None
+        record.verified = self._checked = True
+
+
+def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str, staging: Staging) -> T:
+    """``load(file, map_location)`` (``torch.load``) of the archive of ``length`` bytes in ``fd``, every record's
+    CRC checked, each storage ``staging.takes`` read into new device storage through a :class:`RingReader`;
+    the others in CPU storage. Raises :class:`CorruptCheckpointError` for a damaged file. Where the staged
+    read cannot be made (see the module docstring) the file is loaded as ``load_checked`` does, on the CPU."""
+    if sys.byteorder != "little":  # torch swaps a storage's bytes before map_location sees it
+        return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
+    archive = _StagingArchive(fd, 0, length, where)
+    byteorder = [name for name in archive.names() if name.endswith("/byteorder")]
+    if byteorder and archive.read_record(byteorder[0]) != b"little":
+        return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
+    ring = RingReader(lambda view, offset: os.preadv(fd, [view], offset), staging, where)
+
+    def place(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        record = archive.take_noted()
+        if not staging.takes(location):
+            if record is not None:
+                archive.read_noted_into(record, as_bytes(storage))
+            return storage
+        try:
+            if record is None:  # read by torch (a record it read in pieces, or one checked with the directory)
+                return staging.to_device(storage)
+            new = staging.new_storage(record.size)
+        except torch.OutOfMemoryError as err:
+            raise _Fallback(f"no device memory for the staging: {err}") from None
+        archive.read_noted_through(record, ring, as_bytes(new))
+        return new
+
+    archive.noting = True
+    try:
+        try:
+            value = archive.load_with(lambda file: load(file, place))
+            if archive.take_noted() is not None:
+                raise _Fallback("a storage record was read and not handed to map_location")
+        finally:
+            ring.drain()  # every copy done while the staging it writes is still held, whatever happened
+        staging.finish()
+        return value
+    except CorruptCheckpointError:
+        raise
+    except Exception:  # _Fallback, or torch refusing a callable map_location: the CPU path, which reports a bad file
+        pass
+    # (outside the handler: the failed attempt's staging is freed before the file is read again)
+    return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
