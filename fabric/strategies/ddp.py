@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -26,7 +27,7 @@ from fabric._core.env import export_rendezvous
 from fabric._core.listening import keep_gloo_on_loopback, tcp_store_arguments
 from fabric.strategies.parallel import ParallelStrategy, check_reduce_op
 from fabric.strategies.strategy import BackwardSyncControl
-from fabric.utilities.apply_func import move_data_to_device
+from fabric.utilities.collective_device import on_collective_device
 from fabric.utilities.group_lifetime import (
     bind_default_arguments_before_the_group_exists,
     leave_process_group,
@@ -213,10 +214,10 @@ class ProcessGroupStrategy(ParallelStrategy):
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=src)
-        result = box[0]
-        if self.root_device.type == "cuda":
-            result = move_data_to_device(result, self.root_device)
-        return result
+        # tensors arrive on the device rank ``src`` pickled them on: each rank takes them to its own. The same walk
+        # runs on every device (so CPU jobs take the GPU's path); a frozen dataclass, which cannot be rebuilt,
+        # comes back as it was sent (the checkpoint pipeline's outcomes are such)
+        return apply_to_collection(box[0], Tensor, on_collective_device, self.root_device, allow_frozen=True)
 
 
 class DDPStrategy(ProcessGroupStrategy):

@@ -72,6 +72,8 @@ def test_collectives_move_their_inputs_to_the_root_device(tmp_path):
         assert results[rank]["fabric_all_reduce"] == [1.5]
         assert results[rank]["broadcast"] == [20.0]
         assert results[rank]["decision"] is True
+        # on a GPU the result's tensors are moved to each rank's device; the walk must take a frozen dataclass
+        assert results[rank]["frozen"] == ["Frozen", "1", [1.0, 1.0]]
 
 
 @pytest.mark.timeout(240)

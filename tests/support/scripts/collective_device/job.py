@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch._lazy.ts_backend
@@ -27,6 +28,12 @@ rank = int(os.environ["RANK"])
 torch.manual_seed(rank)  # every rank starts from different weights
 torch._lazy.ts_backend.init()
 LAZY = torch.device("lazy")
+
+
+@dataclass(frozen=True)
+class Frozen:
+    name: str
+    tensor: torch.Tensor
 
 
 def model() -> nn.Module:
@@ -71,6 +78,9 @@ elif mode == "collectives":
     result["fabric_all_reduce"] = fabric.all_reduce(value, reduce_op="mean").cpu().tolist()
     result["broadcast"] = fabric.broadcast(value.cpu() * 10, src=1).tolist()
     result["decision"] = fabric.reduce_boolean_decision(rank == 1, all=False)
+    # what the checkpoint pipeline broadcasts (its outcomes) and users may: a frozen dataclass, holding a tensor
+    frozen = fabric.broadcast(Frozen(str(rank), torch.full((2,), float(rank))), src=1)
+    result["frozen"] = [type(frozen).__name__, frozen.name, frozen.tensor.tolist()]
     fabric.barrier()
 elif mode == "fsdp":
     from fabric import Fabric
