@@ -10,6 +10,8 @@ is raised. ``load_staged`` and ``fabric.load`` are run with ``HostStaging`` (the
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -466,3 +468,13 @@ def test_fabric_load_into_a_gpu_model_reads_through_pinned_buffers_and_a_damaged
         fabric.load(path, {"model": third, "optimizer": third_optimizer})
     after = snapshot(third, third_optimizer)
     assert same(after[0], before[0]) and same(after[1], before[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a CUDA device")
+def test_the_gpu_load_benchmark_says_so_and_fails_without_a_cuda_device(tmp_path):
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "checkpoint_load.py"
+    command = [sys.executable, str(script), "--device", "cuda", "--json", str(tmp_path / "out.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "no CUDA device found" in result.stderr and "nothing was measured" in result.stderr
+    assert not (tmp_path / "out.json").exists()
