@@ -332,7 +332,12 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
     byteorder = [name for name in archive.names() if name.endswith("/byteorder")]
     if byteorder and archive.read_record(byteorder[0]) != b"little":
         return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
-    ring = RingReader(lambda view, offset: os.preadv(fd, [view], offset), staging, where)
+    rings: list[RingReader] = []  # made with the first storage staged: a file with none pins no memory
+
+    def ring() -> RingReader:
+        if not rings:
+            rings.append(RingReader(lambda view, offset: os.preadv(fd, [view], offset), staging, where))
+        return rings[0]
 
     def place(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
         record = archive.take_noted()
@@ -346,7 +351,7 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
             new = staging.new_storage(record.size)
         except torch.OutOfMemoryError as err:
             raise _Fallback(f"no device memory for the staging: {err}") from None
-        archive.read_noted_through(record, ring, as_bytes(new))
+        archive.read_noted_through(record, ring(), as_bytes(new))
         return new
 
     archive.noting = True
@@ -356,7 +361,8 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
             if archive.take_noted() is not None:
                 raise _Fallback("a storage record was read and not handed to map_location")
         finally:
-            ring.drain()  # every copy done while the staging it writes is still held, whatever happened
+            for made in rings:
+                made.drain()  # every copy done while the staging it writes is still held, whatever happened
         staging.finish()
         return value
     except CorruptCheckpointError:

@@ -228,7 +228,11 @@ def same(a: Any, b: Any) -> bool:
 class CountingStaging(HostStaging):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.copied = self.new = self.moved = 0
+        self.copied = self.new = self.moved = self.rings = 0
+
+    def buffers(self) -> Any:
+        self.rings += 1
+        return super().buffers()
 
     def copy(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         self.copied += source.numel()
@@ -274,6 +278,7 @@ def test_a_staged_load_gives_what_torch_load_gives_every_storage_through_the_rin
     loaded = staged(path, staging)
     assert same(loaded, torch.load(path, weights_only=True))
     assert loaded["view_a"].untyped_storage().data_ptr() == loaded["view_b"].untyped_storage().data_ptr()  # one storage, as saved
+    assert staging.rings == 1  # one ring of buffers for the whole load
     # every storage's bytes went through the ring but the few torch read while reading the archive's head
     assert staging.copied + 64 >= storage_bytes(loaded) - 4096 and staging.copied <= storage_bytes(loaded)
 
@@ -286,7 +291,7 @@ def test_storages_the_staging_does_not_take_are_read_into_cpu_storage_and_checke
     finish = CheckedArchive.finish
     monkeypatch.setattr(CheckedArchive, "finish", lambda self: (verified.append(all(r.verified for r in self._records if r.size)), finish(self))[1])
     assert same(staged(path, staging), STATE)
-    assert staging.copied == 0 and staging.new == 0
+    assert staging.copied == 0 and staging.new == 0 and staging.rings == 0  # no buffer was made (pinned, on a GPU)
     assert verified == [True]  # every record with bytes checked on the way, none left for finish to read again
 
 
