@@ -4,8 +4,9 @@ A load into objects on a GPU used to read the whole file into new CPU storage (t
 taken as it passed), then ``load_state_dict`` copied each tensor to the device from pageable memory, one
 synchronous copy after another. Here ``torch.load`` still unpickles the file (``weights_only`` as asked),
 but the bytes of each storage saved on an accelerator are read into a small ring of pinned host buffers
-(:class:`RingReader`), their CRC-32 taken chunk by chunk while the chunk is in the CPU's cache, and each
-filled buffer is copied to new storage on the device on a side stream while the next one is read. A
+(:class:`RingReader`), their CRC-32 taken chunk by chunk while the chunk is in the CPU's cache, and what a
+buffer holds of each record is copied to new storage on the device on a side stream while the next part
+is read. A
 buffer is read into again only after its copies completed. Storages saved on the CPU (an optimizer's
 ``step``) are read as before, into CPU storage.
 
