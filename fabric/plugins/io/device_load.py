@@ -34,6 +34,7 @@ into new storage is faster, one copy fewer, and stays the path).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import sys
@@ -48,6 +49,7 @@ from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError, 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "CudaStaging", "HostStaging", "RingReader", "Staging", "load_staged", "staging_for"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 BUFFERS = 4  # pinned host buffers in the ring
 BUFFER_BYTES = 8 * 2**20  # each: one host-to-device copy moves up to this much; 32 MiB pinned in all
@@ -368,7 +370,7 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
         return value
     except CorruptCheckpointError:
         raise
-    except Exception:  # _Fallback, or torch refusing a callable map_location: the CPU path, which reports a bad file
-        pass
+    except Exception as err:  # _Fallback, or torch refusing a callable map_location: the CPU path, which reports a bad file
+        log.debug("%s: read to the CPU instead of straight to %s: %s", where, getattr(staging, "device", "the device"), err)
     # (outside the handler: the failed attempt's staging is freed before the file is read again)
     return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
