@@ -4,8 +4,9 @@ A load into objects on a GPU used to read the whole file into new CPU storage (t
 taken as it passed), then ``load_state_dict`` copied each tensor to the device from pageable memory, one
 synchronous copy after another. Here ``torch.load`` still unpickles the file (``weights_only`` as asked),
 but the bytes of each storage saved on an accelerator are read into a small ring of pinned host buffers
-(:class:`RingReader`), their CRC-32 taken chunk by chunk while the chunk is in the CPU's cache, and each
-filled buffer is copied to new storage on the device on a side stream while the next one is read. A
+(:class:`RingReader`), their CRC-32 taken chunk by chunk while the chunk is in the CPU's cache, and what a
+buffer holds of each record is copied to new storage on the device on a side stream while the next part
+is read. A
 buffer is read into again only after its copies completed. Storages saved on the CPU (an optimizer's
 ``step``) are read as before, into CPU storage.
 
@@ -33,6 +34,7 @@ into new storage is faster, one copy fewer, and stays the path).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import sys
@@ -47,6 +49,7 @@ from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError, 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "CudaStaging", "HostStaging", "RingReader", "Staging", "load_staged", "staging_for"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 BUFFERS = 4  # pinned host buffers in the ring
 BUFFER_BYTES = 8 * 2**20  # each: one host-to-device copy moves up to this much; 32 MiB pinned in all
@@ -332,7 +335,12 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
     byteorder = [name for name in archive.names() if name.endswith("/byteorder")]
     if byteorder and archive.read_record(byteorder[0]) != b"little":
         return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
-    ring = RingReader(lambda view, offset: os.preadv(fd, [view], offset), staging, where)
+    rings: list[RingReader] = []  # made with the first storage staged: a file with none pins no memory
+
+    def ring() -> RingReader:
+        if not rings:
+            rings.append(RingReader(lambda view, offset: os.preadv(fd, [view], offset), staging, where))
+        return rings[0]
 
     def place(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
         record = archive.take_noted()
@@ -346,7 +354,7 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
             new = staging.new_storage(record.size)
         except torch.OutOfMemoryError as err:
             raise _Fallback(f"no device memory for the staging: {err}") from None
-        archive.read_noted_through(record, ring, as_bytes(new))
+        archive.read_noted_through(record, ring(), as_bytes(new))
         return new
 
     archive.noting = True
@@ -356,12 +364,13 @@ def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str,
             if archive.take_noted() is not None:
                 raise _Fallback("a storage record was read and not handed to map_location")
         finally:
-            ring.drain()  # every copy done while the staging it writes is still held, whatever happened
+            for made in rings:
+                made.drain()  # every copy done while the staging it writes is still held, whatever happened
         staging.finish()
         return value
     except CorruptCheckpointError:
         raise
-    except Exception:  # _Fallback, or torch refusing a callable map_location: the CPU path, which reports a bad file
-        pass
+    except Exception as err:  # _Fallback, or torch refusing a callable map_location: the CPU path, which reports a bad file
+        log.debug("%s: read to the CPU instead of straight to %s: %s", where, getattr(staging, "device", "the device"), err)
     # (outside the handler: the failed attempt's staging is freed before the file is read again)
     return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)

@@ -10,6 +10,8 @@ is raised. ``load_staged`` and ``fabric.load`` are run with ``HostStaging`` (the
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -226,7 +228,11 @@ def same(a: Any, b: Any) -> bool:
 class CountingStaging(HostStaging):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.copied = self.new = self.moved = 0
+        self.copied = self.new = self.moved = self.rings = 0
+
+    def buffers(self) -> Any:
+        self.rings += 1
+        return super().buffers()
 
     def copy(self, source: torch.Tensor, destination: torch.Tensor) -> None:
         self.copied += source.numel()
@@ -272,6 +278,7 @@ def test_a_staged_load_gives_what_torch_load_gives_every_storage_through_the_rin
     loaded = staged(path, staging)
     assert same(loaded, torch.load(path, weights_only=True))
     assert loaded["view_a"].untyped_storage().data_ptr() == loaded["view_b"].untyped_storage().data_ptr()  # one storage, as saved
+    assert staging.rings == 1  # one ring of buffers for the whole load
     # every storage's bytes went through the ring but the few torch read while reading the archive's head
     assert staging.copied + 64 >= storage_bytes(loaded) - 4096 and staging.copied <= storage_bytes(loaded)
 
@@ -284,7 +291,7 @@ def test_storages_the_staging_does_not_take_are_read_into_cpu_storage_and_checke
     finish = CheckedArchive.finish
     monkeypatch.setattr(CheckedArchive, "finish", lambda self: (verified.append(all(r.verified for r in self._records if r.size)), finish(self))[1])
     assert same(staged(path, staging), STATE)
-    assert staging.copied == 0 and staging.new == 0
+    assert staging.copied == 0 and staging.new == 0 and staging.rings == 0  # no buffer was made (pinned, on a GPU)
     assert verified == [True]  # every record with bytes checked on the way, none left for finish to read again
 
 
@@ -466,3 +473,13 @@ def test_fabric_load_into_a_gpu_model_reads_through_pinned_buffers_and_a_damaged
         fabric.load(path, {"model": third, "optimizer": third_optimizer})
     after = snapshot(third, third_optimizer)
     assert same(after[0], before[0]) and same(after[1], before[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a CUDA device")
+def test_the_gpu_load_benchmark_says_so_and_fails_without_a_cuda_device(tmp_path):
+    script = Path(__file__).resolve().parents[3] / "benchmarks" / "checkpoint_load.py"
+    command = [sys.executable, str(script), "--device", "cuda", "--json", str(tmp_path / "out.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "no CUDA device found" in result.stderr and "nothing was measured" in result.stderr
+    assert not (tmp_path / "out.json").exists()
