@@ -33,7 +33,7 @@ from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
-from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint
+from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned
 from fabric.plugins.io.single_file import CheckpointLoadError
 
 __all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]
@@ -152,6 +152,7 @@ def _load(
 ) -> dict[str, Any]:
     wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
     check_loadable(path)  # before anything opens it: a FIFO would block forever
+    remove_abandoned(path)  # what killed saves of this checkpoint left behind, where the writer is gone
     if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
         from fabric.checkpoint.sharded_folder import load_sharded
 

@@ -87,6 +87,7 @@ def _agree_on_token(path: str | Path, group: Any) -> str:
         token = publish.new_token()
         try:
             publish.prepare_target(path, token, keep=_files_written(group))
+            publish.mark_writer(publish.temp_folder_for(path, token))  # a killed save's folder names its writer
         except OSError as err:
             raise OSError(f"Cannot save the sharded checkpoint {str(path)!r}: {type(err).__name__}: {err}") from err
         return token

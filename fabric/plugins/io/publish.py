@@ -342,6 +342,7 @@ def fsync_folder(folder: Path) -> None:
 TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"
 ASIDE_PREFIX = ".fabric-old-"
 SPARE_PREFIX = ".fabric-spare-"
+WRITER_FILE = ".fabric-writer"  # in a temporary or aside folder: "host pid" of the save's rank 0, never published
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
 OBJECTS_FILE = "fabric-objects.pt"  # fabric's file beside the shards: every entry but their tensors, and the index's CRC
 _TOKEN_BYTES = 6
@@ -383,6 +384,54 @@ def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[s
         os.rename(spare, temp_folder_for(path, token))
 
 
+def mark_writer(folder: Path) -> None:
+    """Record in ``folder`` (a save's temporary or aside folder) that this process, on this host, writes it."""
+    import socket
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WRITER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def unmark_writer(folder: Path) -> None:
+    try:
+        (folder / WRITER_FILE).unlink()
+    except OSError:  # none there, or ``folder`` is a file (a full checkpoint replacing a folder)
+        pass
+
+
+def remove_abandoned(path: str | Path) -> list[Path]:
+    """Remove what killed saves of ``path`` left: temporary folders, and aside copies once ``path`` exists,
+    whose writer (named in the folder) ran on this host and is gone; leave every other (a save in progress,
+    another host's, an aside that is the previous checkpoint). Also the single-file temporary files of dead
+    writers. Never raises; returns what it removed."""
+    path = Path(path)
+    removed: list[Path] = []
+    try:
+        candidates = _siblings(path, TEMP_FOLDER_PREFIX)
+        if _exists(path):
+            candidates += _siblings(path, ASIDE_PREFIX)
+        _remove_stale_temp_files(path.parent, path.name)
+    except OSError:
+        return removed
+    for folder in candidates:
+        if _writer_gone(folder):
+            remove_quietly(folder)
+            removed.append(folder)
+    return removed
+
+
+def _writer_gone(folder: Path) -> bool:
+    import socket
+
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    try:
+        host, pid = (folder / WRITER_FILE).read_text().split()
+    except (OSError, ValueError):
+        return False  # no record (a save of an older version, or one cut before it wrote one): keep it
+    return host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid))
+
+
 def spare_for(path: str | Path) -> Path:
     path = Path(path)
     return path.parent / f"{SPARE_PREFIX}{path.name}"
@@ -393,15 +442,19 @@ def commit_folder(temp: Path, path: str | Path, token: str) -> None:
     path = Path(path)
     fsync_folder(temp)
     aside = path.parent / f"{ASIDE_PREFIX}{path.name}.{token}"
+    unmark_writer(temp)
     replacing = _exists(path)
     if replacing:
         os.rename(path, aside)
+        if aside.is_dir() and not aside.is_symlink():
+            mark_writer(aside)  # a kill before the spare takes its place leaves it for the next load to clean
     os.rename(temp, path)
     fsync_folder(path.parent)
     if not replacing:
         return
     spare = spare_for(path)
     if aside.is_dir() and not aside.is_symlink() and not _exists(spare):
+        unmark_writer(aside)
         os.rename(aside, spare)  # the next save overwrites its files
     else:
         _remove(aside)
