@@ -34,8 +34,14 @@ class CPUAccelerator(Accelerator):
         return True
 
 
+#: The most CPU processes one machine runs for a job: each is an interpreter with its own copy of torch
+#: (hundreds of MB), so far fewer already exhaust a machine; beyond this the number is a typo.
+MAX_CPU_PROCESSES = 1024
+
+
 def parse_cpu_cores(devices: Any) -> int:
-    """``devices`` for the CPU: a positive int (or a string of one) counting processes; "auto" means 1."""
+    """``devices`` for the CPU: a positive int (or a string of one) counting processes, at most
+    :data:`MAX_CPU_PROCESSES`; "auto" means 1."""
     if devices == "auto":
         return 1
     value = devices
@@ -47,5 +53,10 @@ def parse_cpu_cores(devices: Any) -> int:
         raise error(
             f"devices={devices!r} is not valid for the CPU accelerator; accepted: a positive int"
             " (the number of processes) or 'auto'"
+        )
+    if value > MAX_CPU_PROCESSES:
+        raise ValueError(
+            f"devices={devices!r} asks for {value} CPU processes on one machine; accepted: 1 to {MAX_CPU_PROCESSES}"
+            " (each process is an interpreter with its own copy of torch)"
         )
     return value

@@ -33,7 +33,7 @@ from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
-from fabric.plugins.io.publish import is_sharded_checkpoint
+from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned
 from fabric.plugins.io.single_file import CheckpointLoadError
 
 __all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]
@@ -91,6 +91,7 @@ def save(
     Returns once the checkpoint is published (with ``async_save``: once its tensors are copied off; the
     write's outcome comes with the next save or load); a failure is raised on every rank.
     """
+    check_path(path, "save")
     # the gather's tensors go to this rank's device: NCCL collectives take no CPU tensors
     state = gather_per_rank_states(state, lambda tensor: host.all_gather(tensor.to(host.root_device)), host.world_size, filter)
     checkpoint_format = host.checkpoint_format
@@ -129,16 +130,29 @@ def load(
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Restore ``state`` in place from ``path`` (a file or a folder of shards); return what it held beyond ``state``."""
+    check_path(path, "load")
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise TypeError(f"load(..., weights_only={weights_only!r}): accepted values are True, False and None (True)")
     rest = _load(host, path, state, strict=strict, weights_only=weights_only)
     if isinstance(rest, dict):
         rest.pop(SAVED_RANKS_KEY, None)  # the checkpoint's own record, not the user's
     return rest
 
 
+def check_path(path: Any, doing: str) -> None:
+    """A checkpoint's path is a str or a path-like object (``save(None, ...)`` names the value)."""
+    import os
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"Cannot {doing} a checkpoint at path={path!r} ({type(path).__name__}); accepted: a str or a pathlib.Path")
+
+
 def _load(
     host: CheckpointHost, path: str | Path, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
+    check_loadable(path)  # before anything opens it: a FIFO would block forever
+    remove_abandoned(path)  # what killed saves of this checkpoint left behind, where the writer is gone
     if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
         from fabric.checkpoint.sharded_folder import load_sharded
 
@@ -215,6 +229,12 @@ def incomplete_folder(folder: Path) -> str:
 
     if not any(folder.iterdir()):
         return f"Checkpoint path {str(folder)!r} is an empty folder, not a checkpoint"
+    from fabric.plugins.io.publish import special_kind
+
+    for name in (INDEX_FILE, "fabric-objects.pt"):
+        kind = special_kind(folder / name) if (folder / name).is_symlink() else None
+        if kind is not None:
+            return f"{str(folder)!r} is a sharded checkpoint folder whose {name} is {kind}; it cannot be read"
     lacking = [name for name in (INDEX_FILE, "fabric-objects.pt") if not (folder / name).is_file()]
     return (
         f"{str(folder)!r} is a folder but not a complete sharded checkpoint: it has no {' and no '.join(lacking)}"

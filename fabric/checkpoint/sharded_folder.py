@@ -87,6 +87,7 @@ def _agree_on_token(path: str | Path, group: Any) -> str:
         token = publish.new_token()
         try:
             publish.prepare_target(path, token, keep=_files_written(group))
+            publish.mark_writer(publish.temp_folder_for(path, token))  # a killed save's folder names its writer
         except OSError as err:
             raise OSError(f"Cannot save the sharded checkpoint {str(path)!r}: {type(err).__name__}: {err}") from err
         return token
@@ -120,6 +121,10 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
             )
     except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
         shards_error = f"writing the shards failed {first_failure(err)}"
+        # torch's message for a full disk ("unexpected pos 704 vs 598") never names it: look at the free space
+        full = publish.out_of_space(temp, sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
+        if full is not None:
+            shards_error = f"{full}; {shards_error}"
 
     def commit() -> None:
         if shards_error is not None:

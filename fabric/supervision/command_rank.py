@@ -33,6 +33,8 @@ class CommandRank:
         self.rank = rank
         self.raised_at: float | None = None
         self.traceback: str | None = None  # a command's rank prints its own traceback
+        #: (status or None, when) the rank reported as it began to exit (``rank_side.report_exit``)
+        self.exiting: tuple[int | None, float] | None = None
         read_fd, write_fd = os.pipe()
         full_env = {**env, SUPERVISOR_PID_ENV: str(os.getpid()), STATUS_FD_ENV: str(write_fd), JOB_DIR_ENV: job_dir}
         try:
@@ -102,6 +104,12 @@ class CommandRank:
                     self.raised_at = float(line[1:])
                 except ValueError:
                     self.raised_at = float("inf")  # raised, when unknown: after every timed report
+            elif line.startswith(b"X") and self.exiting is None:
+                status, _, when = line[1:].partition(b" ")
+                try:
+                    self.exiting = (int(status) if status.isdigit() else None, float(when))
+                except ValueError:
+                    pass
 
     def close(self) -> None:
         for fd in (self._status_fd, self._pidfd):

@@ -31,11 +31,13 @@ from fabric._core.processes import flush_stdio, kill_own_group_and_exit, process
 from fabric.supervision.supervisor import GRACE_S, POLL_S
 
 __all__ = [
+    "exit_status_of",
     "follow_supervisor",
     "format_rank_traceback",
     "label_lines",
     "print_rank_exception",
     "rank_command",
+    "report_exit",
     "report_raise",
     "write_stderr",
 ]
@@ -112,6 +114,29 @@ def report_raise(status_fd: int | None) -> None:
         os.write(status_fd, f"E{time.monotonic():.6f}\n".encode())
     except OSError:
         pass
+
+
+def report_exit(status_fd: int | None, status: int | None) -> None:
+    """Tell the supervisor that this rank begins to exit with ``status`` (None: not known), and when.
+
+    Sent before the interpreter's shutdown leaves the process group: the peers' "connection closed"
+    errors that follow must not be taken for the cause.
+    """
+    if status_fd is None:
+        return
+    try:
+        os.write(status_fd, f"X{'?' if status is None else status} {time.monotonic():.6f}\n".encode())
+    except OSError:
+        pass
+
+
+def exit_status_of(code: object) -> int:
+    """The process status ``sys.exit(code)`` ends with: None 0, an int its low byte, anything else 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1
 
 
 # --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
@@ -107,14 +108,18 @@ class RankZeroSupervision:
 
     def _stop_job(self, reason: str, own_trace: str | None = None, kill_own: bool = True) -> None:
         """Rank 0 is going down on its own terms: take the children (and its own subprocesses) along."""
+        raised_at = time.monotonic()
         with self._lock:
             if not self._stopping:
                 self._stopping = True
                 # Rank 0's error may only echo a child's death ("connection closed by peer"): if a child
                 # failed too, that is the news worth reporting.
-                cause = self.supervisor.root_cause()
+                cause = self.supervisor.root_cause(own_raised_at=raised_at if own_trace is not None else None)
                 if cause is not None:
-                    reason = self.supervisor.failure_of(cause).describe()
+                    failure = self.supervisor.failure_of(cause)
+                    reason = failure.describe()
+                    # rank 0's own error echoes the child's end: the job ends with the child's status
+                    self._forced_exit = JobResult(failure=failure).exit_status
                 # the ranks still running besides the one that failed: the other children, and rank 0
                 # itself when the cause is a child
                 others = self.supervisor.others_alive(cause.rank if cause is not None else None)
@@ -134,6 +139,8 @@ class RankZeroSupervision:
         if not self._in_rank0():
             return
         try:
+            if self._stopping and self._forced_exit is not None:
+                self._end_as_decided()  # a child's failure was the cause: its status is the job's
             if self._exit_status not in (None, 0):
                 self._stop_job(f"rank {self.rank} is exiting with status {self._exit_status}")
                 return
@@ -205,16 +212,16 @@ class RankZeroSupervision:
             if self._stopping:
                 return  # a deliberate stop (kill(), rank 0's own failure): no second report
             self._stopping = True
-            self._forced_exit = 1
+            self._forced_exit = result.exit_status
             try:
                 # the ranks still running besides the failed one: the other children that run, and rank 0
                 others = self.supervisor.others_alive(result.failure.rank) + 1
                 write_stderr(f"[fabric] {result.failure.describe()}; stopping the other {others} rank(s) on this node")
                 self._report(result.diagnosis)
                 self._teardown()
-            finally:  # whatever the teardown ran into, the job failed
+            finally:  # whatever the teardown ran into, the job failed, with the failed rank's status
                 flush_stdio()
-                os._exit(1)
+                os._exit(self._forced_exit)
 
     def _abort_for_signal(self, signum: int, grace: float | None = None) -> None:
         """Ctrl-C / SIGTERM: stop the children, then end rank 0 with 128 + signum."""

@@ -10,8 +10,11 @@ ends or reports); everything else is decided here, once:
   descriptor 1023), so a waiting supervisor costs no CPU and wakes the moment a rank ends or reports.
 * **The root cause**: a rank that ended without raising (a signal, ``os._exit``, ``sys.exit(n)``) is
   blamed before ranks that raised, because its peers' errors ("connection closed by peer") are echoes
-  of its death; among ranks that raised, the one that raised first is the cause. When only exceptions
-  are known, the supervisor listens :data:`SETTLE_S` longer for a death before it decides.
+  of its death; a rank that ended with status 0 before the first exception is blamed too (its peers
+  lost it mid-job); among ranks that raised, the one that raised first is the cause. A rank reports
+  ``sys.exit(n)`` as it begins its exit (see ``rank_side.report_exit``), before its interpreter
+  shutdown closes its connections, so its peers' echoes never come first. When only exceptions are
+  known, the supervisor listens :data:`SETTLE_S` longer for a death before it decides.
 * **The diagnosis** of a collective timeout (which rank never arrived, and where each one was) is
   made before any rank is stopped, while the stuck ones can still be asked for their stacks.
 * **Stopping**: SIGTERM to every rank's process group, :data:`GRACE_S` seconds, then SIGKILL.
@@ -78,6 +81,8 @@ def describe_exit(rank: int, exitcode: int | None, *, raised: bool = False) -> s
         return f"rank {rank} failed"
     if exitcode < 0:
         return f"rank {rank} was killed by {signal_name(-exitcode)}"
+    if exitcode == 0:
+        return f"rank {rank} exited with code 0 while the other ranks still ran"
     return f"rank {rank} exited with code {exitcode}"
 
 
@@ -161,6 +166,25 @@ def rank_state(handle: RankProcess, exitcode: int | None) -> RankState:
     if exitcode is None:
         return RankState.RUNNING
     return RankState.SUCCEEDED if exitcode == 0 else RankState.DIED
+
+
+def reported_exit(handle: RankProcess) -> tuple[int | None, float] | None:
+    """``(status, when)`` a rank reported as it began to exit (status None: not known), or None.
+
+    Only some handles carry it (``exiting``: a command's rank reports ``sys.exit(n)`` on its status pipe).
+    """
+    exiting = getattr(handle, "exiting", None)
+    return exiting if isinstance(exiting, tuple) else None
+
+
+def exit_code_of(handle: RankProcess) -> int | None:
+    """The rank's exit code; the status it reported for ``sys.exit(n)`` while it is still exiting, or when
+    the stop's signal cut its exit short (its status is its own, not our SIGTERM's)."""
+    code = handle.poll()
+    reported = reported_exit(handle)
+    if reported is not None and reported[0] is not None and (code is None or code < 0):
+        return reported[0]
+    return code
 
 
 @dataclass(frozen=True)
@@ -343,7 +367,7 @@ class Supervisor:
             self.stop(result.signal or signal.SIGTERM)
         if result.failure is not None:  # now that it is stopped, its exit code is known (see exit_status)
             handle = self.rank(result.failure.rank)
-            result = replace(result, failure=replace(result.failure, exitcode=handle.poll()))
+            result = replace(result, failure=replace(result.failure, exitcode=exit_code_of(handle)))
         return result
 
     def wait(self, should_stop: Callable[[], JobResult | None] | None = None) -> JobResult:
@@ -408,23 +432,52 @@ class Supervisor:
         """Every started rank's :class:`RankState`, by rank, as of now."""
         return {handle.rank: state for handle, state in self._states()}
 
-    def root_cause(self, settle: float = SETTLE_S) -> RankProcess | None:
-        """The failed rank most likely at the root of the failure (see the module's rule), or None."""
+    def root_cause(self, settle: float = SETTLE_S, own_raised_at: float | None = None) -> RankProcess | None:
+        """The failed rank most likely at the root of the failure (see the module's rule), or None.
+
+        The first rank to end is the cause: one that died (a non-zero status, reported or seen, or a
+        signal) before any other, else one that ended with status 0 before the first exception, else the
+        first to raise. ``own_raised_at``: when the calling process (a rank itself, not among
+        :attr:`ranks`) raised; None (the calling rank) when it was first.
+        """
         deadline = time.monotonic() + settle
         while True:
             states = self._states()
-            died = [handle for handle, state in states if state is RankState.DIED]
+            died = [handle for handle, state in states if self._died(handle, state)]
             remaining = deadline - time.monotonic()
             if died or remaining <= 0 or not self.alive():
                 break
             self._watch(min(remaining, POLL_S))
         if died:
-            return min(died, key=lambda handle: (self._ended_at.get(handle.rank, float("inf")), handle.rank))
+            return min(died, key=lambda handle: (self._end_time(handle), handle.rank))
         raised = [handle for handle, state in states if state is RankState.RAISED]
-        return min(raised, key=lambda handle: (handle.raised_at, handle.rank)) if raised else None
+        first = min(raised, key=lambda handle: (handle.raised_at, handle.rank)) if raised else None
+        raise_times = [t for t in (first.raised_at if first is not None else None, own_raised_at) if t is not None]
+        if not raise_times:
+            return None
+        early = [handle for handle, state in states if state is not RankState.RAISED and self._end_time(handle) < min(raise_times)]
+        if early:
+            return min(early, key=lambda handle: (self._end_time(handle), handle.rank))
+        if first is None or (own_raised_at is not None and own_raised_at < (first.raised_at or 0.0)):
+            return None  # the calling rank raised first
+        return first
+
+    @staticmethod
+    def _died(handle: RankProcess, state: RankState) -> bool:
+        if state is RankState.DIED:
+            return True
+        reported = reported_exit(handle)
+        return state is RankState.RUNNING and reported is not None and reported[0] not in (None, 0)
+
+    def _end_time(self, handle: RankProcess) -> float:
+        """When the rank began to exit (its own report) or was seen ended; infinity while it runs."""
+        reported = reported_exit(handle)
+        if reported is not None:
+            return reported[1]
+        return self._ended_at.get(handle.rank, float("inf"))
 
     def failure_of(self, handle: RankProcess) -> RankFailure:
-        return RankFailure(handle.rank, handle.pid, handle.poll(), handle.raised_at is not None, handle.traceback)
+        return RankFailure(handle.rank, handle.pid, exit_code_of(handle), handle.raised_at is not None, handle.traceback)
 
     def diagnose(self, own_trace: str | None = None, own_running: bool = True) -> str | None:
         """For a collective timeout: which ranks did not arrive and where each one was (else None).

@@ -25,6 +25,7 @@ a save (old + new checkpoint) allocated between saves. It is never loaded, and r
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -57,7 +58,14 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_files(folder, path.name)
-    fd, temp_name = _create_temp_file(folder, path.name)
+    try:
+        fd, temp_name = _create_temp_file(folder, path.name)
+    except OSError as err:
+        if err.errno == errno.ENAMETOOLONG or not err.strerror:
+            raise
+        # a read-only file system, a folder without write permission, a full disk: name the checkpoint
+        raise OSError(err.errno, f"Could not save the checkpoint {str(path)!r}: {err.strerror} (no file can be created"
+                      f" in {str(folder)!r}; the previous file, if any, is unchanged)") from None
     try:
         with os.fdopen(fd, "wb", buffering=_WRITE_BUFFER) as file:
             writer = _EarlyWriteback(file)
@@ -103,21 +111,49 @@ def _check_parents(path: Path) -> None:
 
 
 def _check_target(path: Path) -> None:
-    """Only a regular file (or nothing) may be replaced: never a folder, a device, a FIFO or a socket."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    except OSError:
-        return  # e.g. a component is not a folder: mkdir / open report it naming the path
-    if stat.S_ISDIR(mode):
+    """Only a regular file (or nothing) may be replaced: never a folder, a device, a FIFO, a socket or a
+    symbolic link that loops (``os.replace`` would put a regular file in the link's place without a word)."""
+    kind = special_kind(path)
+    if kind == "a folder":
         raise IsADirectoryError(f"Cannot save a checkpoint to {str(path)!r}: it is a folder")
-    if not stat.S_ISREG(mode):
-        kind = _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    if kind is not None:
         raise ValueError(
             f"Cannot save a checkpoint to {str(path)!r}: it is {kind}; accepted: a regular file or a path that does"
             " not exist yet"
         )
+
+
+def check_loadable(path: str | Path) -> None:
+    """Before a checkpoint is opened for reading: ``path`` is a regular file or a folder (or does not exist,
+    which the reader reports). A FIFO would block ``open`` forever, a device read without end."""
+    kind = special_kind(Path(path))
+    if kind is not None and kind != "a folder":
+        raise ValueError(
+            f"Cannot load a checkpoint from {str(path)!r}: it is {kind}; accepted: a checkpoint file or a sharded"
+            " checkpoint folder"
+        )
+
+
+def special_kind(path: Path) -> str | None:
+    """What ``path`` is when it is neither a regular file nor missing ("a folder", "a FIFO (named pipe)",
+    "a symbolic link that loops", ...); None for a regular file or nothing. Never opens it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "a symbolic link that loops (too many levels of symbolic links)"
+        if err.errno == errno.ENAMETOOLONG:
+            return "a name longer than the file system allows"
+        return None  # e.g. a component is not a folder: mkdir / open report it naming the path
+    except ValueError:  # a NUL byte: no file can have that name
+        return "a path with a NUL byte (no file name can hold one)"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISREG(mode):
+        return None
+    return _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 _FILE_KINDS = {
@@ -220,12 +256,29 @@ def _create_temp_file(folder: Path, name: str) -> tuple[int, str]:
     Created with mode 0o666 so the umask applies, as for ``torch.save`` (``mkstemp`` would make it 0o600).
     """
     for _ in range(100):
-        temp_name = str(folder / f"{_TEMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}")
+        temp = f"{_TEMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        temp_name = str(folder / temp)
         try:
             return os.open(temp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), temp_name
         except FileExistsError:
             continue
+        except OSError as err:
+            if err.errno != errno.ENAMETOOLONG:
+                raise
+            raise OSError(
+                err.errno,
+                f"Cannot save the checkpoint {str(folder / name)!r}: its file name is too long ({len(name)} characters;"
+                f" the save's temporary file needs {len(temp)}, over this file system's limit of {_name_max(folder)});"
+                " choose a shorter name",
+            ) from None
     raise FileExistsError(f"Could not create a temporary file next to {str(folder / name)!r}")
+
+
+def _name_max(folder: Path) -> int | str:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return "unknown"
 
 
 def _keep_mode_of(path: Path, temp_name: str) -> None:
@@ -252,6 +305,23 @@ def _remove_stale_temp_files(folder: Path, name: str) -> None:
             pass
 
 
+def out_of_space(folder: str | Path, needed: int) -> str | None:
+    """Asked when a write failed: "No space left on device ..." when the file system of ``folder`` has less
+    free space than ``needed`` bytes (or none), else None. Errors a library wraps lose their errno; this
+    finds the reason anyway."""
+    path = Path(folder)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        info = os.statvfs(path)
+    except (OSError, AttributeError):
+        return None
+    free = info.f_bavail * info.f_frsize
+    if free >= max(needed, 1 << 20):
+        return None
+    return f"No space left on device ({free} bytes free on the file system of {str(folder)!r}, about {needed} needed)"
+
+
 def fsync_folder(folder: Path) -> None:
     # the rename itself is only durable once the folder entry is on disk
     if os.name != "posix":
@@ -272,6 +342,7 @@ def fsync_folder(folder: Path) -> None:
 TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"
 ASIDE_PREFIX = ".fabric-old-"
 SPARE_PREFIX = ".fabric-spare-"
+WRITER_FILE = ".fabric-writer"  # in a temporary or aside folder: "host pid" of the save's rank 0, never published
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
 OBJECTS_FILE = "fabric-objects.pt"  # fabric's file beside the shards: every entry but their tensors, and the index's CRC
 _TOKEN_BYTES = 6
@@ -313,6 +384,54 @@ def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[s
         os.rename(spare, temp_folder_for(path, token))
 
 
+def mark_writer(folder: Path) -> None:
+    """Record in ``folder`` (a save's temporary or aside folder) that this process, on this host, writes it."""
+    import socket
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WRITER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def unmark_writer(folder: Path) -> None:
+    try:
+        (folder / WRITER_FILE).unlink()
+    except OSError:  # none there, or ``folder`` is a file (a full checkpoint replacing a folder)
+        pass
+
+
+def remove_abandoned(path: str | Path) -> list[Path]:
+    """Remove what killed saves of ``path`` left: temporary folders, and aside copies once ``path`` exists,
+    whose writer (named in the folder) ran on this host and is gone; leave every other (a save in progress,
+    another host's, an aside that is the previous checkpoint). Also the single-file temporary files of dead
+    writers. Never raises; returns what it removed."""
+    path = Path(path)
+    removed: list[Path] = []
+    try:
+        candidates = _siblings(path, TEMP_FOLDER_PREFIX)
+        if _exists(path):
+            candidates += _siblings(path, ASIDE_PREFIX)
+        _remove_stale_temp_files(path.parent, path.name)
+    except OSError:
+        return removed
+    for folder in candidates:
+        if _writer_gone(folder):
+            remove_quietly(folder)
+            removed.append(folder)
+    return removed
+
+
+def _writer_gone(folder: Path) -> bool:
+    import socket
+
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    try:
+        host, pid = (folder / WRITER_FILE).read_text().split()
+    except (OSError, ValueError):
+        return False  # no record (a save of an older version, or one cut before it wrote one): keep it
+    return host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid))
+
+
 def spare_for(path: str | Path) -> Path:
     path = Path(path)
     return path.parent / f"{SPARE_PREFIX}{path.name}"
@@ -323,15 +442,19 @@ def commit_folder(temp: Path, path: str | Path, token: str) -> None:
     path = Path(path)
     fsync_folder(temp)
     aside = path.parent / f"{ASIDE_PREFIX}{path.name}.{token}"
+    unmark_writer(temp)
     replacing = _exists(path)
     if replacing:
         os.rename(path, aside)
+        if aside.is_dir() and not aside.is_symlink():
+            mark_writer(aside)  # a kill before the spare takes its place leaves it for the next load to clean
     os.rename(temp, path)
     fsync_folder(path.parent)
     if not replacing:
         return
     spare = spare_for(path)
     if aside.is_dir() and not aside.is_symlink() and not _exists(spare):
+        unmark_writer(aside)
         os.rename(aside, spare)  # the next save overwrites its files
     else:
         _remove(aside)

@@ -15,6 +15,7 @@ one that fills it in another layout gives it the storage ``torch.load`` made ins
 from __future__ import annotations
 
 import pickle
+import stat
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -169,11 +170,20 @@ def check_data_files(folder: Path, metadata: Metadata) -> None:
             needed[info.relative_path] = (end, index.fqn)
     for name, (end, entry) in sorted(needed.items()):
         try:
-            size = (folder / name).stat().st_size
+            info = (folder / name).stat()
+            size, mode = info.st_size, info.st_mode
         except FileNotFoundError:
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} is incomplete: its data file {name!r} (holding {entry!r} among others) is missing"
             ) from None
+        except OSError as err:  # a symbolic link that loops, a name too long, ...
+            raise CheckpointLoadError(
+                f"Checkpoint {str(folder)!r} is damaged: its data file {name!r} cannot be read: {err.strerror}"
+            ) from None
+        if not stat.S_ISREG(mode):
+            raise CheckpointLoadError(
+                f"Checkpoint {str(folder)!r} is damaged: its data file {name!r} is not a regular file"
+            )
         if size < end:
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} is damaged: {name!r} has {size} bytes, but the index places data up to"

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fabric.plugins.io.integrity import SMALL_ARCHIVE, CorruptCheckpointError, load_checked, say_once_nothing_to_check
-from fabric.plugins.io.publish import atomic_save
+from fabric.plugins.io.publish import atomic_save, check_loadable
 
 
 class CheckpointIO(ABC):
@@ -95,6 +95,7 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
     through pinned buffers, read, CRC and copy overlapping (``device_load.load_staged``), and the others as
     ``map_location`` says; on a device without a staged path (the CPU) ``device`` changes nothing."""
     path = Path(path)
+    check_loadable(path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint file not found: {str(path)!r}")
     if path.is_dir():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from fabric.plugins.environments import rank_from_environment
 from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
 from fabric.supervision.command_rank import CommandRank
 from fabric.supervision.diagnosis import install_stack_dump, record_failure
-from fabric.supervision.rank_side import follow_supervisor, print_rank_exception, report_raise
+from fabric.supervision.rank_side import exit_status_of, follow_supervisor, print_rank_exception, report_exit, report_raise
 from fabric.supervision.rank_zero import RankZeroSupervision
 from fabric.supervision.supervisor import Supervisor
 
@@ -185,6 +186,7 @@ def _supervise_as_child() -> None:
 
     previous_hook = sys.excepthook
     my_pid = os.getpid()
+    raised: list[bool] = []
 
     def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
         if os.getpid() != my_pid:  # a forked copy of this rank (e.g. a DataLoader worker)
@@ -193,9 +195,37 @@ def _supervise_as_child() -> None:
         print_rank_exception(rank, previous_hook, exc_type, exc, tb)
         # before the status report: the supervisor reads it to tell a collective timeout from other errors
         record_failure(job_dir, rank, "".join(traceback.format_exception(exc_type, exc, tb)))
+        raised.append(True)
         report_raise(status_fd)  # right away: our interpreter shutdown may take long (or hang)
 
     sys.excepthook = excepthook
+    _report_exit_first(status_fd, my_pid, raised)
+
+
+def _report_exit_first(status_fd: int | None, my_pid: int, raised: list[bool]) -> None:
+    """Report this rank's exit (and its ``sys.exit`` status) before anything of the shutdown runs.
+
+    The threading module's exit callbacks run before every ``atexit`` hook, so the report goes out before
+    the process group is left (ours is an ``atexit`` hook) and the peers see the connection close.
+    """
+    status: list[int | None] = [None]
+    original_exit = sys.exit
+
+    def recording_exit(code: object = None, /) -> Any:
+        if os.getpid() == my_pid:
+            status[0] = exit_status_of(code)
+        return original_exit(code)  # type: ignore[arg-type]
+
+    def at_shutdown() -> None:
+        if os.getpid() == my_pid and not raised:
+            # without sys.exit the script ran to its end (0); a bare ``raise SystemExit(n)`` is seen as the
+            # process ends, unless the job is stopped first
+            report_exit(status_fd, status[0] if status[0] is not None else 0)
+
+    sys.exit = recording_exit
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(at_shutdown)
 
 
 def _take_status_fd() -> int | None:

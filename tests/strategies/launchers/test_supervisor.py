@@ -38,6 +38,15 @@ _BODIES = {
         " os.write(fd, ('E%.6f\\n' % time.monotonic()).encode()); time.sleep(60)"
     ),
     "sleep": "import time; time.sleep(60)",
+    # report "I exit with N" as a supervised rank's sys.exit does, then a slow shutdown (leaving the group)
+    "exit3_slowly": (
+        "import os, time; time.sleep({delay}); fd = int(os.environ['FABRIC_STATUS_FD']);"
+        " os.write(fd, ('X3 %.6f\\n' % time.monotonic()).encode()); time.sleep(60)"
+    ),
+    "exit0_reported": (
+        "import os, time; time.sleep({delay}); fd = int(os.environ['FABRIC_STATUS_FD']);"
+        " os.write(fd, ('X0 %.6f\\n' % time.monotonic()).encode())"
+    ),
 }
 
 
@@ -78,6 +87,24 @@ def test_a_rank_killed_outright_is_blamed_before_peers_that_raise_after_it() -> 
     result = _supervisor({0: ("raise", 0.6), 1: ("sigkill", 0.5), 2: ("sleep", 0)}).run()
     assert result.failure is not None and result.failure.rank == 1
     assert result.failure.exitcode == -signal.SIGKILL and result.exit_status == 128 + signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_reported_its_exit_status_is_the_cause_before_peers_that_raise_while_it_shuts_down() -> None:
+    # rank 1 called sys.exit(3) and is still shutting down when rank 0 raises (its echo): rank 1, status 3,
+    # also though the stop's SIGTERM ended its shutdown
+    result = _supervisor({0: ("raise", 0.8), 1: ("exit3_slowly", 0.3), 2: ("sleep", 0)}).run()
+    assert result.failure is not None and result.failure.rank == 1 and not result.failure.raised
+    assert result.failure.exitcode == 3 and result.exit_status == 3
+    assert "rank 1 exited with code 3, pid" in result.failure.describe()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_ended_with_0_before_the_first_exception_is_the_cause_with_status_1() -> None:
+    result = _supervisor({0: ("raise", 0.8), 1: ("exit0_reported", 0.3), 2: ("sleep", 0)}).run()
+    assert result.failure is not None and result.failure.rank == 1 and result.failure.exitcode == 0
+    assert result.exit_status == 1
+    assert "rank 1 exited with code 0 while the other ranks still ran" in result.failure.describe()
 
 
 @pytest.mark.timeout(60)

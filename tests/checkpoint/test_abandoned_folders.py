@@ -1,0 +1,116 @@
+"""What a killed sharded save leaves beside the checkpoint (``.fabric-tmpdir-*``, ``.fabric-old-*``) is removed
+by the next load once its writer is gone (same host, pid no longer alive); every other folder is left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fabric import Fabric
+from fabric.checkpoint.sharded_folder import save_sharded
+from fabric.plugins.io import publish
+from support.environment import clean_env
+from support.processes import alive
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("a real SIGKILL of a writer process", allow_module_level=True)
+
+_WRITER = textwrap.dedent("""\
+    import sys, torch
+    from torch import nn
+    from fabric.checkpoint.sharded_folder import save_sharded
+    torch.set_num_threads(1)
+    model = nn.Linear(512, 512)
+    step = 0
+    while True:
+        with torch.no_grad():
+            model.weight.fill_(step)
+            model.bias.fill_(step)
+        save_sharded(sys.argv[1], {"model": model, "step": step})
+        step += 1
+""")
+
+
+def _kill_mid_save(folder: Path, attempts: int = 20) -> Path:
+    """Start a writer saving ``folder`` in a loop; SIGKILL it while its temporary folder exists."""
+    for _ in range(attempts):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(folder)], env=clean_env(OMP_NUM_THREADS="1"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                temps = [t for t in folder.parent.glob(f"{publish.TEMP_FOLDER_PREFIX}{folder.name}.*")
+                         if (t / publish.WRITER_FILE).exists()]
+                if temps and folder.exists():
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+                    left = [t for t in temps if t.exists()]
+                    if left:
+                        return left[0]
+                    break
+                time.sleep(0.002)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    pytest.fail(f"no save was killed mid-write in {attempts} attempts")
+
+
+@pytest.mark.timeout(180)
+def test_a_load_removes_the_folder_a_killed_save_left(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    stale = _kill_mid_save(folder)
+    writer_pid = int((stale / publish.WRITER_FILE).read_text().split()[1])
+    assert not alive(writer_pid)
+    model = nn.Linear(512, 512)
+    rest = Fabric(accelerator="cpu", devices=1).load(folder, {"model": model})
+    assert not stale.exists()
+    # the checkpoint it loaded is one save's, whole
+    assert torch.all(model.weight == rest["step"]) and torch.all(model.bias == rest["step"])
+
+
+def test_folders_of_live_writers_other_hosts_and_unknown_writers_are_left(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    save_sharded(folder, {"model": nn.Linear(4, 4)})
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    records = {
+        "aaaaaaaaaaaa": f"{socket.gethostname()} {os.getpid()}",  # alive: a save in progress
+        "bbbbbbbbbbbb": f"another-host-{socket.gethostname()} {dead.pid}",  # another machine's
+        "cccccccccccc": None,  # no record
+        "dddddddddddd": f"{socket.gethostname()} {dead.pid}",  # gone: removed
+    }
+    for token, record in records.items():
+        temp = publish.temp_folder_for(folder, token)
+        temp.mkdir()
+        if record is not None:
+            (temp / publish.WRITER_FILE).write_text(record)
+    aside = tmp_path / f"{publish.ASIDE_PREFIX}ckpt.eeeeeeeeeeee"
+    aside.mkdir()
+    (aside / publish.WRITER_FILE).write_text(f"{socket.gethostname()} {dead.pid}")  # gone, ckpt exists: removed
+    Fabric(accelerator="cpu", devices=1).load(folder, {"model": nn.Linear(4, 4)})
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["ckpt", *(f"{publish.TEMP_FOLDER_PREFIX}ckpt.{t}" for t in "abc" for t in [t * 12])])
+
+
+def test_an_aside_copy_that_is_the_previous_checkpoint_is_kept(tmp_path: Path) -> None:
+    """A commit cut between its renames: ``ckpt`` is missing and the aside copy is the checkpoint."""
+    folder = tmp_path / "ckpt"
+    save_sharded(folder, {"model": nn.Linear(4, 4)})
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    aside = tmp_path / f"{publish.ASIDE_PREFIX}ckpt.eeeeeeeeeeee"
+    folder.rename(aside)
+    (aside / publish.WRITER_FILE).write_text(f"{socket.gethostname()} {dead.pid}")
+    Fabric(accelerator="cpu", devices=1).load(folder, {"model": nn.Linear(4, 4)})
+    assert aside.is_dir()
