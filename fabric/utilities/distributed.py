@@ -78,7 +78,7 @@ def is_shared_filesystem(strategy: Any, path: str | Path | None = None, timeout:
     Rank 0 creates a marker file; the other ranks look for it for up to ``timeout`` seconds. A remote
     URL (``s3://...``) counts as shared; so does a single process. Call it on every rank.
     """
-    from fabric.plugins.io.storage import is_url, local_or_url
+    from fabric._core.urls import is_url, local_or_url
 
     if path is not None:
         path = local_or_url(path)  # a URL: its store must be reachable (else a clear error), and counts as shared

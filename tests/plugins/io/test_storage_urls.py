@@ -327,3 +327,12 @@ def test_sharded_save_to_a_url_is_refused_before_anything_is_written(empty_cwd: 
         pipeline.save(ShardedHost(), f"{memory_url}/sharded", {"model": model()})  # type: ignore[arg-type]
     fs, path = store_of(f"{memory_url}/sharded")
     assert not fs.exists(path)
+
+
+def test_run_refuses_a_url_script(empty_cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fabric.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["run", "s3://bucket/train.py"])
+    assert info.value.code == 2
+    assert "is a URL" in capsys.readouterr().err
