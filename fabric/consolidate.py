@@ -19,12 +19,20 @@ PROG = "fabric-torch consolidate"
 def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool | None = None) -> dict:
     """Read the sharded checkpoint ``checkpoint_dir`` whole and write it to the file ``out``; return it."""
     from fabric.checkpoint.sharded_folder import load_sharded
+    from fabric.plugins.io import storage
     from fabric.plugins.io.publish import atomic_save, is_sharded_checkpoint
 
+    # URLs (s3://...) name a store, checked here (unknown scheme, missing library) before anything is read
+    checkpoint_dir, out = storage.local_or_url(checkpoint_dir), storage.local_or_url(out)
+    shown = storage.redact(str(checkpoint_dir)) if storage.is_url(checkpoint_dir) else str(checkpoint_dir)
     if not is_sharded_checkpoint(checkpoint_dir):
-        what = "does not exist" if not Path(checkpoint_dir).exists() else "is not a sharded checkpoint folder"
-        raise ValueError(f"{str(checkpoint_dir)!r} {what}; {PROG} takes a folder written by a sharded save")
-    if Path(out).resolve() == Path(checkpoint_dir).resolve() or Path(out).is_dir():
+        found = storage.exists(str(checkpoint_dir)) if storage.is_url(checkpoint_dir) else Path(checkpoint_dir).exists()
+        what = "does not exist" if not found else "is not a sharded checkpoint folder"
+        raise ValueError(f"{shown!r} {what}; {PROG} takes a folder written by a sharded save")
+    if storage.is_url(out) or storage.is_url(checkpoint_dir):
+        if str(out).rstrip("/") == str(checkpoint_dir).rstrip("/"):
+            raise ValueError(f"OUT.pt {storage.redact(str(out))!r} must be a file path, not the checkpoint folder")
+    elif Path(out).resolve() == Path(checkpoint_dir).resolve() or Path(out).is_dir():
         raise ValueError(f"OUT.pt {str(out)!r} must be a file path, not the checkpoint folder or another folder")
     checkpoint = load_sharded(checkpoint_dir, weights_only=weights_only)
     atomic_save(checkpoint, out)
@@ -44,7 +52,7 @@ def main(argv: Sequence[str], prog: str = PROG) -> int:
     args = parser.parse_args(list(argv))
     try:
         checkpoint = consolidate(args.checkpoint_dir, args.out, weights_only=False if args.unsafe_load else None)
-    except (ValueError, OSError, RuntimeError) as err:
+    except (ValueError, OSError, RuntimeError, ImportError) as err:  # ImportError: a URL's storage library is missing
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     print(f"{prog}: wrote {args.out} ({', '.join(sorted(map(str, checkpoint)))})")

@@ -34,6 +34,7 @@ from fabric.input_types import (
     StrategyInput,
 )
 from fabric.launching import check_launch_request, do_nothing
+from fabric.plugins.io.storage import local_or_url
 from fabric.setup_inputs import check_optimizers, prepare_dataloader, prepare_module, wrap_module
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import CPU, as_moved_to_cpu, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
@@ -451,6 +452,7 @@ class Fabric:
             raise TypeError(f"save(state=...) takes a dict, got {type(state).__name__}")
         if filter is not None:
             check_filter(filter, state)
+        path = local_or_url(path)  # a URL is never a local path: its store, or an error naming why not
         unwrapped = unwrap_state(state)
         # collective: returns on every rank once the file is written, or raises rank 0's error on every rank
         # (with async_save: once the state is copied off; the write's outcome comes with the next save)
@@ -478,6 +480,7 @@ class Fabric:
                 f" {type(state).__name__}; to load into one module or optimizer, use load_raw(path, obj)"
             )
         unwrapped = unwrap_state(state) if state is not None else None
+        path = local_or_url(path)
         remainder = self._strategy.load_checkpoint(path, state=unwrapped, strict=strict, weights_only=weights_only)
         self.barrier()
         if state is not None and unwrapped is not None:
@@ -489,6 +492,7 @@ class Fabric:
         target = unwrap(obj)
         if not isinstance(target, (Module, Optimizer)):
             raise TypeError(f"load_raw() loads into a Module or an Optimizer, got {type(obj).__name__}")
+        path = local_or_url(path)
         self._strategy.load_checkpoint(path, state=target, strict=strict, weights_only=weights_only)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from fabric._core.devices import DevicesSyntaxError, parse_devices
 from fabric._core.names import ACCELERATOR_CHOICES, PRECISION_ALIASES, PRECISION_VALUES
+from fabric._core.urls import is_url, redact
 
 __all__ = [
     "DEFAULT_MAIN_ADDRESS", "DEFAULT_MAIN_PORT", "DISTRIBUTION", "PROG", "RunConfig", "build_run_parser", "parse_run_args",
@@ -335,6 +336,8 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
             "--rdzv-conf is not used here; accepted with --num-nodes > 1 and --max-restarts >= 1, or --num-nodes MIN:MAX"
             " (the nodes' rendezvous exists only then)"
         )
+    if is_url(args.script):  # never looked up as a local path named "s3:/..."
+        parser.error(f"SCRIPT {redact(args.script)!r} is a URL; accepted: the path of a local Python script")
     if not os.path.isfile(args.script):
         parser.error(f"SCRIPT {args.script!r} does not exist (or is not a file)")
     if not args.main_address.strip():

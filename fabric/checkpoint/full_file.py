@@ -25,6 +25,7 @@ from fabric.checkpoint.state import collect_states
 from fabric.plugins.io import CheckpointIO, publish
 from fabric.plugins.io.publish import atomic_save
 from fabric.plugins.io.single_file import safe_load
+from fabric.plugins.io.storage import is_url
 
 
 def save_full(
@@ -50,21 +51,22 @@ def save_full(
             for key, value in entries.items()
         }
         try:
-            _write_file(checkpoint, Path(path), checkpoint_io)
+            _write_file(checkpoint, path if is_url(path) else Path(path), checkpoint_io)
         except Exception as err:
             raise RuntimeError(f"Saving the full checkpoint {str(path)!r} failed; the previous one is kept. {type(err).__name__}: {err}") from err
 
     on_rank_zero(write, rank=rank_in_group(), broadcast=broadcast_in_group)
 
 
-def _write_file(checkpoint: dict[str, Any], path: Path, checkpoint_io: CheckpointIO | None) -> None:
-    if not path.is_dir():
+def _write_file(checkpoint: dict[str, Any], path: str | Path, checkpoint_io: CheckpointIO | None) -> None:
+    if is_url(path) or not Path(path).is_dir():
         if checkpoint_io is None:
             atomic_save(checkpoint, path)
         else:
             checkpoint_io.save_checkpoint(checkpoint, path)
         return
     # a sharded checkpoint folder is replaced by a file: the same publish-by-renames as for folders
+    path = Path(path)
     publish.prepare_target(path)
     token = publish.new_token()
     temp = publish.temp_folder_for(path, token)

@@ -35,6 +35,7 @@ from fabric.checkpoint.stateful import SAVED_RANKS_KEY
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned
 from fabric.plugins.io.single_file import CheckpointLoadError
+from fabric.plugins.io.storage import is_url
 
 __all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]
 
@@ -101,6 +102,14 @@ def save(
         if checkpoint_format == "sharded":
             from fabric.checkpoint.sharded_folder import save_sharded
 
+            if is_url(path):  # before anything is written: never a local folder named after the URL
+                from fabric.plugins.io.storage import redact
+
+                raise NotImplementedError(
+                    f"Sharded checkpoints cannot be saved to a URL yet ({redact(str(path))!r}); save a full checkpoint"
+                    " there (FSDPStrategy(state_dict_type='full')) or a sharded one to a local or shared folder"
+                )
+
             save_sharded(path, state, filter=filter, async_save=async_save)
             return
         if async_save:
@@ -162,7 +171,7 @@ def _load(
                 " rather than load_raw()"
             )
         return load_sharded(path, state, strict=strict, weights_only=weights_only)
-    if Path(path).is_dir() and (host.checkpoint_format != "file" or type(host.checkpoint_io) is TorchCheckpointIO):
+    if not is_url(path) and Path(path).is_dir() and (host.checkpoint_format != "file" or type(host.checkpoint_io) is TorchCheckpointIO):
         raise CheckpointLoadError(incomplete_folder(Path(path)))  # (a user's CheckpointIO may keep folders)
     if host.checkpoint_format != "file" and isinstance(state, dict):
         from fabric.checkpoint.full_file import load_full  # full tensors into sharded objects

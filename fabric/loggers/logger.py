@@ -110,7 +110,15 @@ def rank_zero_experiment(experiment: Callable[[Any], Any]) -> Callable[[Any], An
 class FolderLogger(Logger):
     """A logger writing under ``root_dir/name/version_N``: the folder layout both file loggers share."""
 
+    _writes_urls = False  # whether root_dir may be a URL (s3://...): the subclass writes through fsspec
+
     def __init__(self, root_dir: str | os.PathLike, name: str, version: int | str | None) -> None:
+        from fabric.plugins.io.storage import is_url, local_or_url, redact
+
+        # a URL is never a local folder: its store is checked here (unknown scheme, missing library)
+        root_dir = local_or_url(os.fspath(root_dir))
+        if is_url(root_dir) and not self._writes_urls:
+            raise ValueError(f"{type(self).__name__} cannot write to a URL root_dir ({redact(str(root_dir))!r}) yet; use a local folder")
         self._root_dir = os.fspath(root_dir)
         self._name = name or ""
         self._version = check_version(version)

@@ -78,9 +78,13 @@ def is_shared_filesystem(strategy: Any, path: str | Path | None = None, timeout:
     Rank 0 creates a marker file; the other ranks look for it for up to ``timeout`` seconds. A remote
     URL (``s3://...``) counts as shared; so does a single process. Call it on every rank.
     """
-    if path is not None and "://" in str(path) and not str(path).startswith("file://"):
-        return True
-    folder = Path(Path.cwd() if path is None else str(path).removeprefix("file://")).resolve()
+    from fabric._core.urls import is_url, local_or_url
+
+    if path is not None:
+        path = local_or_url(path)  # a URL: its store must be reachable (else a clear error), and counts as shared
+        if is_url(path):
+            return True
+    folder = Path(Path.cwd() if path is None else path).resolve()
     if getattr(strategy, "world_size", 1) == 1:
         return True
     if not strategy.reduce_boolean_decision(strategy.broadcast(folder) == folder, all=True):

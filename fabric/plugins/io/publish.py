@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from fabric._core.processes import process_alive
+from fabric.plugins.io.storage import is_url
 
 _TEMP_PREFIX = ".fabric-tmp-"
 
@@ -52,6 +53,11 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     (``sync_file_range``), so the disk works in parallel with the serialization and the final
     ``fdatasync`` only waits for the last few megabytes.
     """
+    if is_url(path):  # a store without rename: objects first, then the commit record (storage.py)
+        from fabric.plugins.io.storage import save_file
+
+        save_file(obj, str(path))
+        return
     path = Path(path)
     _check_target(path)
     _check_parents(path)
@@ -473,6 +479,10 @@ def resolve_for_load(path: str | Path) -> Path:
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` (or the previous checkpoint a cut save left aside) is a sharded checkpoint folder."""
+    if is_url(path):
+        from fabric.plugins.io.storage import is_sharded
+
+        return is_sharded(str(path))
     try:
         folder = resolve_for_load(path)
     except FileNotFoundError:

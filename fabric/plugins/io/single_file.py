@@ -17,6 +17,7 @@ import torch
 
 from fabric.plugins.io.integrity import SMALL_ARCHIVE, CorruptCheckpointError, load_checked, say_once_nothing_to_check
 from fabric.plugins.io.publish import atomic_save, check_loadable
+from fabric.plugins.io.storage import is_url, local_or_url
 
 
 class CheckpointIO(ABC):
@@ -61,7 +62,12 @@ class TorchCheckpointIO(CheckpointIO):
                 f"TorchCheckpointIO.save_checkpoint got storage_options={storage_options!r}; it accepts none."
                 " Write your own CheckpointIO plugin to use storage options."
             )
-        atomic_save(checkpoint, path)
+        if is_url(path):
+            from fabric.plugins.io.storage import save_file
+
+            save_file(checkpoint, str(path))
+            return
+        atomic_save(checkpoint, local_or_url(path))
 
     def load_checkpoint(
         self,
@@ -76,7 +82,12 @@ class TorchCheckpointIO(CheckpointIO):
         return safe_load(path, map_location=map_location if map_location is not None else "cpu", weights_only=weights_only, device=device)
 
     def remove_checkpoint(self, path: str | Path) -> None:
-        path = Path(path)
+        if is_url(path):
+            from fabric.plugins.io.storage import remove
+
+            remove(str(path))
+            return
+        path = Path(local_or_url(path))
         if path.is_dir():
             import shutil
 
@@ -93,14 +104,21 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
 
     With ``device`` (a GPU), storages saved on an accelerator are read into new storage on ``device``
     through pinned buffers, read, CRC and copy overlapping (``device_load.load_staged``), and the others as
-    ``map_location`` says; on a device without a staged path (the CPU) ``device`` changes nothing."""
-    path = Path(path)
+    ``map_location`` says; on a device without a staged path (the CPU) ``device`` changes nothing.
+
+    A URL (``s3://...``) is read through its commit record (``storage.load_file``): the object's size and
+    CRC-32 are checked against the record, then it is loaded from memory by the same checked path."""
+    safe = True if weights_only is None else bool(weights_only)
+    if is_url(path):
+        from fabric.plugins.io.storage import load_file
+
+        return load_file(str(path), lambda fd, size, where: _load_fd(fd, size, where, map_location, safe, device))
+    path = Path(local_or_url(path))
     check_loadable(path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint file not found: {str(path)!r}")
     if path.is_dir():
         raise IsADirectoryError(f"Checkpoint path {str(path)!r} is a folder, not a file")
-    safe = True if weights_only is None else bool(weights_only)
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
         if size == 0:
@@ -114,7 +132,15 @@ def safe_load(path: str | Path, map_location: Any = "cpu", weights_only: bool | 
         return _load(file.fileno(), size, path, map_location, safe, legacy=head != _CHECKPOINT_MAGIC[0], device=device)
 
 
-def _load(fd: int, size: int, path: Path, map_location: Any, safe: bool, legacy: bool, device: torch.device | None = None) -> Any:
+def _load_fd(fd: int, size: int, where: str, map_location: Any, safe: bool, device: torch.device | None) -> Any:
+    """A checkpoint held in the open file ``fd`` (a store's object read into memory), named ``where``."""
+    head = os.pread(fd, 4, 0)
+    if size == 0 or not head.startswith(_CHECKPOINT_MAGIC[0]):
+        raise CheckpointLoadError(f"{where!r} is not a checkpoint archive written by torch.save: it starts with {head!r}")
+    return _load(fd, size, where, map_location, safe, legacy=False, device=device)
+
+
+def _load(fd: int, size: int, path: str | Path, map_location: Any, safe: bool, legacy: bool, device: torch.device | None = None) -> Any:
     try:
         if legacy:  # torch's legacy format: a pickle, with no checksums to check
             say_once_nothing_to_check(path)

@@ -1,0 +1,338 @@
+"""A URL is never a local path: every entry point resolves it to its store, or stops with a clear error.
+
+Also checkpoints on fsspec's in-memory store (``memory://``, no server needed): round trips through the
+commit record, damaged objects refused, the previous checkpoint kept until the new record is written.
+The same against a real S3 server: ``test_s3_storage.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fabric import Fabric
+from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load, storage
+
+pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+
+fsspec = pytest.importorskip("fsspec")
+
+
+@pytest.fixture
+def empty_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The test runs in an empty folder, which must stay empty: a URL taken for a local path would show up here."""
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.fixture
+def memory_url() -> str:
+    """A fresh folder on fsspec's process-wide in-memory store, removed afterwards."""
+    import secrets
+
+    folder = f"memory://fabric-tests-{secrets.token_hex(4)}"
+    yield folder
+    fs = fsspec.filesystem("memory")
+    if fs.exists(folder[len("memory://") :]):
+        fs.rm(folder[len("memory://") :], recursive=True)
+
+
+def cpu_fabric() -> Fabric:
+    return Fabric(accelerator="cpu", devices=1)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(8, 4)
+
+
+# ---- the resolver ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [("s3://b/k", True), ("memory://x", True), ("simplecache::s3://b/k", True), ("file:///tmp/x", False),
+     ("/tmp/x", False), ("relative/x.pt", False), ("C:\\x.pt", False), (Path("s3://b/k"), False)],
+)
+def test_what_is_a_url(path: object, expected: bool) -> None:
+    assert storage.is_url(path) is expected
+
+
+def test_file_url_is_the_local_path(tmp_path: Path) -> None:
+    assert storage.local_or_url(f"file://{tmp_path}/x.pt") == f"{tmp_path}/x.pt"
+
+
+def test_unknown_scheme_is_refused_naming_the_url_without_secrets() -> None:
+    with pytest.raises(ValueError, match="unknown storage scheme 'nosuch://'") as info:
+        storage.local_or_url("nosuch://alice:s3cret@host/x.pt?token=abc")
+    assert "s3cret" not in str(info.value) and "abc" not in str(info.value)
+    assert "alice:***@host" in str(info.value)
+
+
+def test_missing_library_names_the_extra() -> None:
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        pass
+    else:  # pragma: no cover
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(ImportError, match=r"pip install 'fabric-torch\[gcs\]'"):
+        storage.local_or_url("gs://bucket/x.pt")
+
+
+def test_missing_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    with pytest.raises(ImportError, match=r"needs fsspec.*pip install 'fabric-torch\[s3\]'"):
+        storage.filesystem("s3://bucket/x.pt")
+
+
+def test_redact_keeps_what_names_the_object() -> None:
+    assert storage.redact("s3://bucket/run/ckpt.pt") == "s3://bucket/run/ckpt.pt"
+    assert storage.redact("https://user:pw@host/x?sig=1") == "https://user:***@host/x?***"
+
+
+# ---- every entry point: an unusable URL creates nothing locally ----------------------------------
+
+BAD_URLS = ["nosuch://bucket/run/ckpt.pt", "gs://bucket/run/ckpt.pt"]
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_save_load_refuse_an_unusable_url(empty_cwd: Path, url: str) -> None:
+    fabric = cpu_fabric()
+    net = model()
+    with pytest.raises((ValueError, ImportError)):
+        fabric.save(url, {"model": net})
+    with pytest.raises((ValueError, ImportError)):
+        fabric.load(url, {"model": net})
+    with pytest.raises((ValueError, ImportError)):
+        fabric.load_raw(url, net)
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_plugins_refuse_an_unusable_url(empty_cwd: Path, url: str) -> None:
+    with pytest.raises((ValueError, ImportError)):
+        TorchCheckpointIO().save_checkpoint({"a": 1}, url)
+    with pytest.raises((ValueError, ImportError)):
+        TorchCheckpointIO().load_checkpoint(url)
+    with pytest.raises((ValueError, ImportError)):
+        TorchCheckpointIO().remove_checkpoint(url)
+    with pytest.raises((ValueError, ImportError)):
+        atomic_save({"a": 1}, url)
+    with pytest.raises((ValueError, ImportError)):
+        safe_load(url)
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_consolidate_refuses_an_unusable_url(empty_cwd: Path, url: str) -> None:
+    from fabric.consolidate import main
+
+    assert main([url, "out.pt"]) == 1
+    assert main(["ckpt", url]) == 1
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_loggers_refuse_an_unusable_url(empty_cwd: Path, url: str) -> None:
+    from fabric.loggers import CSVLogger, TensorBoardLogger
+
+    with pytest.raises((ValueError, ImportError)):
+        CSVLogger(url)
+    with pytest.raises((ValueError, ImportError)):
+        TensorBoardLogger(url)
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_is_shared_filesystem_refuses_an_unusable_url(empty_cwd: Path, url: str) -> None:
+    from fabric.utilities.distributed import is_shared_filesystem
+
+    with pytest.raises((ValueError, ImportError)):
+        is_shared_filesystem(cpu_fabric().strategy, url)
+
+
+def test_is_shared_filesystem_a_store_is_shared(empty_cwd: Path) -> None:
+    from fabric.utilities.distributed import is_shared_filesystem
+
+    assert is_shared_filesystem(cpu_fabric().strategy, "memory://shared")
+
+
+# ---- checkpoints on memory:// -------------------------------------------------------------------
+
+
+def test_save_load_round_trip(empty_cwd: Path, memory_url: str) -> None:
+    fabric = cpu_fabric()
+    net, url = model(), f"{memory_url}/run/ckpt.pt"
+    optimizer = torch.optim.AdamW(net.parameters())
+    net(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    fabric.save(url, {"model": net, "optimizer": optimizer, "step": 7})
+    fresh = nn.Linear(8, 4)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    rest = fabric.load(url, {"model": fresh, "optimizer": fresh_optimizer})
+    assert rest == {"step": 7}
+    assert torch.equal(fresh.weight, net.weight)
+    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert fabric.load(url)["step"] == 7
+
+
+def test_load_raw_and_async_save(empty_cwd: Path, memory_url: str) -> None:
+    fabric = cpu_fabric()
+    net, url = model(), f"{memory_url}/raw.pt"
+    TorchCheckpointIO().save_checkpoint(net.state_dict(), url)
+    fresh = nn.Linear(8, 4)
+    fabric.load_raw(url, fresh)
+    assert torch.equal(fresh.weight, net.weight)
+    with torch.no_grad():
+        net.weight.add_(1)
+    fabric.save(f"{memory_url}/async.pt", {"model": net}, async_save=True)
+    fabric.load(f"{memory_url}/async.pt", {"model": fresh})  # waits for the background save
+    assert torch.equal(fresh.weight, net.weight)
+
+
+def store_of(url: str) -> tuple[object, str]:
+    return storage.filesystem(url)
+
+
+def the_object(url: str) -> str:
+    fs, path = store_of(url)
+    record = json.loads(fs.cat_file(path))
+    return f"{storage.generation_prefix(path, record['generation'])}/{storage.FILE_OBJECT}"
+
+
+def test_a_new_save_replaces_the_generation(memory_url: str) -> None:
+    url = f"{memory_url}/ckpt.pt"
+    fs, path = store_of(url)
+    atomic_save({"v": torch.zeros(3)}, url)
+    first = the_object(url)
+    atomic_save({"v": torch.ones(3)}, url)
+    second = the_object(url)
+    assert first != second and not fs.exists(first) and fs.exists(second)
+    assert len(fs.ls(f"{path}{storage.DATA_SUFFIX}")) == 1
+    assert torch.equal(safe_load(url)["v"], torch.ones(3))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other_save", "missing"])
+def test_damaged_object_refused_nothing_changed(empty_cwd: Path, memory_url: str, damage: str) -> None:
+    fabric = cpu_fabric()
+    url, other = f"{memory_url}/ckpt.pt", f"{memory_url}/other.pt"
+    net = model()
+    fabric.save(url, {"model": net})
+    fs, _ = store_of(url)
+    target = the_object(url)
+    data = bytearray(fs.cat_file(target))
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x10
+        fs.pipe_file(target, bytes(data))
+    elif damage == "truncate":
+        fs.pipe_file(target, bytes(data[:-100]))
+    elif damage == "other_save":
+        bigger = nn.Linear(8, 4)
+        fabric.save(other, {"model": bigger})
+        fs.pipe_file(target, fs.cat_file(the_object(other)))
+    else:
+        fs.rm(target)
+    fresh = nn.Linear(8, 4)
+    before = fresh.weight.detach().clone()
+    with pytest.raises(storage.CommitRecordError, match=r"ckpt\.pt.*checkpoint\.pt"):
+        fabric.load(url, {"model": fresh})
+    assert torch.equal(fresh.weight, before)
+
+
+def test_checkpoint_without_commit_record_refused(memory_url: str) -> None:
+    url = f"{memory_url}/ckpt.pt"
+    fs, path = store_of(url)
+    atomic_save({"v": torch.ones(2)}, url)
+    fs.rm(path)
+    with pytest.raises(FileNotFoundError, match="no commit record"):
+        safe_load(url)
+    torch.save({"v": torch.ones(2)}, fs.open(path, "wb"))  # a plain torch file where the record should be
+    with pytest.raises(storage.CommitRecordError, match="has no commit record"):
+        safe_load(url)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(memory_url: str) -> None:
+    url = f"{memory_url}/ckpt.pt"
+    fs, path = store_of(url)
+    atomic_save({"v": torch.ones(2)}, url)
+
+    class Unpicklable:
+        def __reduce__(self) -> object:
+            raise TypeError("cannot pickle this")
+
+    with pytest.raises(TypeError):
+        atomic_save({"v": torch.zeros(2), "bad": Unpicklable()}, url)
+    assert torch.equal(safe_load(url)["v"], torch.ones(2))
+    assert len(fs.ls(f"{path}{storage.DATA_SUFFIX}")) == 1  # the failed save's object is gone
+
+
+def test_remove_checkpoint(memory_url: str) -> None:
+    url = f"{memory_url}/ckpt.pt"
+    fs, path = store_of(url)
+    atomic_save({"v": 1}, url)
+    TorchCheckpointIO().remove_checkpoint(url)
+    assert not fs.exists(path) and not fs.exists(f"{path}{storage.DATA_SUFFIX}")
+
+
+def test_not_found(memory_url: str) -> None:
+    with pytest.raises(FileNotFoundError, match="Checkpoint not found"):
+        cpu_fabric().load(f"{memory_url}/nothing.pt")
+
+
+def test_corrupt_record_in_archive_is_caught_by_the_crc_check(memory_url: str) -> None:
+    """Bytes that match the commit record but not the archive's own CRCs (a damaged save) are still refused."""
+    url = f"{memory_url}/ckpt.pt"
+    fs, path = store_of(url)
+    atomic_save({"v": torch.arange(100000, dtype=torch.float32)}, url)
+    target = the_object(url)
+    data = bytearray(fs.cat_file(target))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(target, bytes(data))
+    from fabric.plugins.io.integrity import crc32
+
+    record = json.loads(fs.cat_file(path))
+    record["objects"][storage.FILE_OBJECT]["crc32"] = crc32(bytes(data))
+    fs.pipe_file(path, json.dumps(record).encode())
+    with pytest.raises(CheckpointLoadError, match="do not match the checksum"):
+        safe_load(url)
+
+
+def test_full_checkpoint_of_sharded_objects_to_a_url(empty_cwd: Path, memory_url: str) -> None:
+    from fabric.checkpoint.full_file import save_full
+
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    url = f"{memory_url}/full.pt"
+    save_full(url, {"model": net, "optimizer": optimizer, "step": 7})
+    fresh = nn.Linear(8, 4)
+    assert cpu_fabric().load(url, {"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1)}) == {"step": 7}
+    assert torch.equal(fresh.weight, net.weight)
+
+
+def test_sharded_save_to_a_url_is_refused_before_anything_is_written(empty_cwd: Path, memory_url: str) -> None:
+    from fabric.checkpoint import pipeline
+
+    class ShardedHost:
+        checkpoint_format = "sharded"
+        world_size = 1
+        global_rank = 0
+        root_device = torch.device("cpu")
+
+    with pytest.raises(NotImplementedError, match="Sharded checkpoints cannot be saved to a URL yet"):
+        pipeline.save(ShardedHost(), f"{memory_url}/sharded", {"model": model()})  # type: ignore[arg-type]
+    fs, path = store_of(f"{memory_url}/sharded")
+    assert not fs.exists(path)
+
+
+def test_run_refuses_a_url_script(empty_cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fabric.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["run", "s3://bucket/train.py"])
+    assert info.value.code == 2
+    assert "is a URL" in capsys.readouterr().err
