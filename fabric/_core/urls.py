@@ -57,7 +57,8 @@ def local_or_url(path: str | os.PathLike) -> str | Path:
             return path[len("file://") :] or "/"
         if scheme is not None:
             filesystem(path)
-    return path if isinstance(path, (str, Path)) else Path(os.fspath(path))
+    # anything that is no path at all goes on unchanged, for the checkpoint code to refuse it by name
+    return Path(os.fspath(path)) if isinstance(path, os.PathLike) and not isinstance(path, Path) else path
 
 
 def redact(url: str) -> str:
