@@ -24,9 +24,9 @@ check: venv
 	$(VENV)/bin/ruff check fabric tests benchmarks examples
 	$(VENV)/bin/mypy
 
-## The checks, then the test suite in TEST_WORKERS pytest-xdist processes (0: serial); Horovod tests run
-## when Horovod is installed: see `make horovod`.
-TEST_WORKERS ?= 2
+## The checks, then the test suite: serially, or in TEST_WORKERS pytest-xdist processes (same result; see
+## the README); Horovod tests run when Horovod is installed: see `make horovod`.
+TEST_WORKERS ?= 0
 test: check
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
 
