@@ -24,9 +24,11 @@ check: venv
 	$(VENV)/bin/ruff check fabric tests benchmarks examples scripts
 	$(VENV)/bin/mypy
 
-## The checks, then the test suite (Horovod tests run when Horovod is installed: see `make horovod`).
+## The checks, then the test suite: serially, or in TEST_WORKERS pytest-xdist processes (same result; see
+## the README); Horovod tests run when Horovod is installed: see `make horovod`.
+TEST_WORKERS ?= 0
 test: check
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
 
 ## Build Horovod 0.28.1 for torch >= 2.1 (about 5 minutes once, cached after) into the venv.
 horovod: venv

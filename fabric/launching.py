@@ -29,10 +29,17 @@ def check_launch_request(strategy: Strategy, function: Callable[..., Any] | None
 
 
 def in_interactive_session() -> bool:
-    """A notebook or REPL: there is no script that a launcher could run again."""
-    import __main__
+    """A REPL or notebook, where the user's code lives in the session and no process could import it again.
 
-    return hasattr(sys, "ps1") or not hasattr(__main__, "__file__")
+    Python's REPL and every IPython shell (the terminal one and Jupyter's kernels) set ``sys.ps1``;
+    ``python -i script.py`` sets ``sys.flags.interactive`` before its REPL starts. A ``__main__`` without
+    ``__file__`` alone is no sign: ``python -c`` and the workers of pytest-xdist (execnet runs
+    ``python -c "exec(...)"``) have one and launch functions from importable modules. What such a
+    program cannot do is refused by the launcher that needs it, naming the reason: the popen launcher
+    when there is no script to run again, spawn/forkserver when the function is defined in that
+    ``__main__``.
+    """
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
 def do_nothing(*args: Any, **kwargs: Any) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,9 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.plugins.io import CheckpointLoadError
+from support import PYTHON
+from support.environment import job_environment
+from support.processes import run
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
@@ -147,6 +151,54 @@ def test_launch_of_an_unpicklable_function_under_spawn():
     assert "<lambda>" in message and "could not be pickled" in message  # what and why
     assert "top level" in message and "ddp_fork" in message  # what to do
     assert multiprocessing.active_children() == []  # nothing was started
+
+
+# A REPL or notebook (sys.ps1, set by Python's REPL and by every IPython shell, Jupyter's kernels included;
+# `python -i` sets sys.flags.interactive) is refused before anything starts. A program whose __main__ has
+# no file (`python -c`, pytest-xdist's workers) is not a session: it launches functions from modules, and
+# only what it cannot do is refused, by the launcher that needs it.
+
+
+def _train(fabric: Fabric) -> None:
+    pass
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "ddp_forkserver"])
+def test_launch_from_a_repl_or_notebook(monkeypatch, strategy):
+    monkeypatch.setattr(sys, "ps1", "In : ", raising=False)
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)
+    with pytest.raises(RuntimeError, match="cannot be launched from an interactive session"):
+        fabric.launch(_train)
+    assert multiprocessing.active_children() == []
+
+
+_LAUNCH_UNDER_C = """
+from fabric import Fabric
+from support.scripts.launchers.mp_funcs import world_size_of
+print("world size", Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2).launch(world_size_of))
+"""
+
+_REFUSED_UNDER_C = """
+from fabric import Fabric
+def defined_here(fabric): pass
+for strategy in ("ddp_spawn", "ddp"):
+    try:
+        Fabric(accelerator="cpu", strategy=strategy, devices=2).launch(defined_here)
+    except RuntimeError as err:
+        print(strategy, "refused:", err)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_launch_from_python_c_and_python_i():
+    launched = run([PYTHON, "-c", _LAUNCH_UNDER_C], timeout=100, env=job_environment())
+    assert "world size 2" in launched.stdout
+    refused = run([PYTHON, "-c", _REFUSED_UNDER_C], timeout=40, env=job_environment()).stdout
+    assert "ddp_spawn refused: The function passed to launch() (defined_here) is defined in" in refused
+    assert "ddp refused: The 'popen' launcher starts the other processes by running your script again" in refused
+    interactive = run([PYTHON, "-i", "-c", _LAUNCH_UNDER_C], timeout=40, env=job_environment(), check=False)
+    assert "DDPStrategy cannot be launched from an interactive session" in interactive.stderr
+    assert "world size" not in interactive.stdout
 
 
 # ---- loading bad files ------------------------------------------------------------------------------

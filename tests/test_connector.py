@@ -54,7 +54,7 @@ def test_names_are_case_insensitive_and_devices_accept_strings(accelerator, stra
 
 def test_a_strategy_instance_is_completed_and_kept():
     strategy = SingleDeviceStrategy(device="cpu")
-    fabric = Fabric(strategy=strategy, precision="64-true")
+    fabric = Fabric(accelerator="cpu", strategy=strategy, precision="64-true")
     assert fabric.strategy is strategy
     assert isinstance(strategy.accelerator, CPUAccelerator)
     assert isinstance(strategy.precision, DoublePrecision)
@@ -63,7 +63,7 @@ def test_a_strategy_instance_is_completed_and_kept():
 def test_a_strategy_instance_keeps_its_own_precision():
     precision = HalfPrecision("bf16-true")
     strategy = SingleDeviceStrategy(device="cpu", precision=precision)
-    assert Fabric(strategy=strategy).strategy.precision is precision
+    assert Fabric(accelerator="cpu", strategy=strategy).strategy.precision is precision
 
 
 def test_plugins_are_used():

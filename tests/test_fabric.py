@@ -35,8 +35,8 @@ def cpu_fabric(**kwargs) -> Fabric:
 
 
 def meta_fabric() -> Fabric:
-    """A single-device Fabric whose device is "meta": on a CPU-only machine it shows where things move."""
-    return Fabric(strategy=SingleDeviceStrategy(device="meta"))
+    """A single-device Fabric whose device is "meta": it shows where things move (CPU accelerator, as "auto" picks a GPU)."""
+    return Fabric(accelerator="cpu", strategy=SingleDeviceStrategy(device="meta"))
 
 
 # ---- the user snippet ---------------------------------------------------------------------------

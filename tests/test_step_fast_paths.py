@@ -306,7 +306,7 @@ class RecordingStrategy(SingleDeviceStrategy):
 
 def test_a_strategy_with_its_own_backward_and_step_is_called():
     strategy = RecordingStrategy()
-    fabric = Fabric(strategy=strategy)
+    fabric = Fabric(accelerator="cpu", strategy=strategy)
     model = nn.Linear(3, 1)
     fmodel, foptimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     fabric.backward(fmodel(torch.randn(2, 3)).sum())

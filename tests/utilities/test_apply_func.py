@@ -106,7 +106,7 @@ def test_move_data_to_device_keeps_structure(batch, device):
 @settings(max_examples=60, deadline=None)
 @given(batch=_batches)
 def test_fabric_to_device_and_batch_to_device(batch):
-    fabric = Fabric(strategy=SingleDeviceStrategy(device="meta"))
+    fabric = Fabric(accelerator="cpu", strategy=SingleDeviceStrategy(device="meta"))
     check_moved(batch, fabric.to_device(batch), "meta")
     check_moved(batch, fabric.batch_to_device(batch), "meta")
 

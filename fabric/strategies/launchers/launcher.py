@@ -26,8 +26,8 @@ class Launcher(ABC):
     def is_interactive_compatible(self) -> bool:
         """Whether this launcher works from a notebook or a REPL.
 
-        Launchers that re-run the script or pickle the function by reference need a
-        real ``__main__`` file, which interactive sessions do not have.
+        Launchers that re-run the script or pickle the function by reference cannot run code
+        that lives only in the session (see ``fabric.launching.in_interactive_session``).
         """
 
     @abstractmethod

@@ -211,12 +211,14 @@ def _check_picklable(function: Any, args: tuple, kwargs: dict, strategy: Any, st
             f"this program's __main__ does not come from a file ({main_file!r}). Run it from a "
             "script file, or use start_method='fork' (strategy 'ddp_fork')."
         )
-    if getattr(function, "__module__", None) == "__main__" and not main_file:
-        raise RuntimeError(
-            f"The function passed to launch() ({_name_of(function)}) is defined in an interactive "
-            f"session, which start_method={start_method!r} cannot import it from in the worker "
-            f"processes. {advice}"
-        )
+    # Fabric.launch hands over a functools.partial around the user's function, so look inside it.
+    for candidate in (*_wrapped_callables(function), function):
+        if getattr(candidate, "__module__", None) == "__main__" and not main_file:
+            raise RuntimeError(
+                f"The function passed to launch() ({_name_of(candidate)}) is defined in an interactive "
+                f"session or a `python -c` program, which start_method={start_method!r} cannot import it "
+                f"from in the worker processes. {advice}"
+            )
     try:
         # The user's own function first, so that the error names it and not a wrapper
         # (Fabric.launch passes a functools.partial around it).

@@ -27,3 +27,8 @@ def fail_on_rank(rank_to_fail: int) -> None:
     if int(os.environ["RANK"]) == rank_to_fail:
         raise ValueError(f"boom from rank {rank_to_fail}")
     time.sleep(60)  # a peer stuck waiting for the failed rank
+
+
+def world_size_of(fabric: object) -> int:
+    """For ``Fabric.launch``: what every rank's Fabric says the world size is."""
+    return int(fabric.world_size)  # type: ignore[attr-defined]
