@@ -54,8 +54,9 @@ class DataParallelStrategy(OneProcessCollectives, ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> DataParallel:
         device_ids = [d.index for d in self.parallel_devices or [] if d.type == "cuda"]
-        # on the CPU there are no device ids; DataParallel then simply calls the module
-        return DataParallel(module, device_ids=device_ids or None, output_device=device_ids[0] if device_ids else None)
+        if not device_ids:
+            return _HostDataParallel(module)
+        return DataParallel(module, device_ids=device_ids, output_device=device_ids[0])
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
@@ -71,3 +72,16 @@ class DataParallelStrategy(OneProcessCollectives, ParallelStrategy):
 
 def _unwrap_dp(module: Module) -> Module:
     return module.module if isinstance(module, DataParallel) else module
+
+
+class _HostDataParallel(DataParallel):
+    """DataParallel with no device: it calls the module as it is.
+
+    torch's constructor given no device ids takes every GPU of the machine (and moves the module to the
+    first); a job that asked for the CPU must stay there.
+    """
+
+    def __init__(self, module: Module) -> None:
+        Module.__init__(self)
+        self.module = module
+        self.device_ids = []

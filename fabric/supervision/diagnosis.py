@@ -210,6 +210,11 @@ class _RankReport:
     pid: int | None = None
 
 
+def reads_like_a_lost_peer(text: str) -> bool:
+    """Whether a traceback reads like a collective or the process group failing (a peer gone), not the code's own error."""
+    return bool(_DISTRIBUTED_RE.search(text))
+
+
 def looks_like_collective_timeout(text: str) -> bool:
     """Whether a traceback reads like a collective (or the rendezvous) giving up on absent ranks."""
     return bool(_TIMEOUT_RE.search(text)) and bool(_DISTRIBUTED_RE.search(text))

@@ -114,7 +114,7 @@ class RankZeroSupervision:
                 self._stopping = True
                 # Rank 0's error may only echo a child's death ("connection closed by peer"): if a child
                 # failed too, that is the news worth reporting.
-                cause = self.supervisor.root_cause(own_raised_at=raised_at if own_trace is not None else None)
+                cause = self.supervisor.root_cause(own_raised_at=raised_at if own_trace is not None else None, own_trace=own_trace)
                 if cause is not None:
                     failure = self.supervisor.failure_of(cause)
                     reason = failure.describe()

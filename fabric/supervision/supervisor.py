@@ -41,7 +41,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from fabric._core.processes import kill_process_groups, signal_name
-from fabric.supervision.diagnosis import create_job_dir, diagnose, remove_job_dir
+from fabric.supervision.diagnosis import create_job_dir, diagnose, read_failures, reads_like_a_lost_peer, remove_job_dir
 from fabric.supervision.signals import SignalForwarding, SignalPipe
 
 __all__ = [
@@ -432,7 +432,7 @@ class Supervisor:
         """Every started rank's :class:`RankState`, by rank, as of now."""
         return {handle.rank: state for handle, state in self._states()}
 
-    def root_cause(self, settle: float = SETTLE_S, own_raised_at: float | None = None) -> RankProcess | None:
+    def root_cause(self, settle: float = SETTLE_S, own_raised_at: float | None = None, own_trace: str | None = None) -> RankProcess | None:
         """The failed rank most likely at the root of the failure (see the module's rule), or None.
 
         The first rank to end is the cause: one that died (a non-zero status, reported or seen, or a
@@ -455,12 +455,21 @@ class Supervisor:
         raise_times = [t for t in (first.raised_at if first is not None else None, own_raised_at) if t is not None]
         if not raise_times:
             return None
-        early = [handle for handle, state in states if state is not RankState.RAISED and self._end_time(handle) < min(raise_times)]
-        if early:
-            return min(early, key=lambda handle: (self._end_time(handle), handle.rank))
-        if first is None or (own_raised_at is not None and own_raised_at < (first.raised_at or 0.0)):
-            return None  # the calling rank raised first
-        return first
+        own_first = first is None or (own_raised_at is not None and own_raised_at < (first.raised_at or 0.0))
+        # a rank that finished (status 0) before the first exception is its cause only when that exception
+        # reads as a lost peer ("connection closed by peer"): a rank may well finish its work before another raises
+        first_trace = own_trace if own_first else self._trace_of(first)
+        if first_trace is None or reads_like_a_lost_peer(first_trace):
+            early = [handle for handle, state in states if state is not RankState.RAISED and self._end_time(handle) < min(raise_times)]
+            if early:
+                return min(early, key=lambda handle: (self._end_time(handle), handle.rank))
+        return None if own_first else first  # None: the calling rank raised first
+
+    def _trace_of(self, handle: RankProcess | None) -> str | None:
+        """The traceback ``handle``'s rank sent or recorded in the job folder (None: not known)."""
+        if handle is None:
+            return None
+        return handle.traceback or read_failures(self.job_dir).get(handle.rank)
 
     @staticmethod
     def _died(handle: RankProcess, state: RankState) -> bool:

@@ -146,7 +146,8 @@ def test_the_gpu_parts_plumbing_with_cpu_commands(tmp_path):
     check.benchmark(step[0], step[1], step_command, step[3], [])
     on_disk = json.loads((out / "gpu-check.json").read_text())
     assert on_disk["parts"]["bench_step"]["status"] == "passed"
-    assert set(on_disk["benchmarks"]["step"]["cases"]["mlp/32-true"]["step_ratio"]) == {"fabric"}
+    # Lightning Fabric is compared where it is importable (it was on the H200 this ran on)
+    assert set(on_disk["benchmarks"]["step"]["cases"]["mlp/32-true"]["step_ratio"]) - {"lightning"} == {"fabric"}
     check.benchmark(load[0], load[1], [sys.executable, "-c", "raise SystemExit('no --device option')"], load[3], [])
     assert check.report["parts"]["bench_load"]["status"] == "failed"
     assert "no --device option" in check.report["benchmarks"]["load"]["tail"]

@@ -33,6 +33,19 @@ def test_dp_by_name_on_the_cpu_warns_and_uses_ddp(devices, monkeypatch):
     assert fabric.strategy.distributed_sampler_kwargs == {"num_replicas": devices, "rank": 0}
 
 
+def test_dp_on_the_cpu_stays_there_on_a_machine_with_gpus(fabric, monkeypatch):
+    """torch's DataParallel given no device ids takes every GPU there is; a job that asked for the CPU keeps it."""
+    import importlib
+
+    data_parallel = importlib.import_module("torch.nn.parallel.data_parallel")  # the module, not its function
+    monkeypatch.setattr(data_parallel, "_get_available_device_type", lambda: "cuda")
+    monkeypatch.setattr(data_parallel, "_get_all_device_indices", lambda: [0])
+    wrapped = fabric.setup_module(torch.nn.Linear(3, 1))
+    assert isinstance(wrapped._forward_module, DataParallel)
+    assert next(wrapped.parameters()).device.type == "cpu"
+    assert wrapped(torch.ones(2, 3)).device.type == "cpu"
+
+
 def test_dp_strategy_shape(fabric):
     strategy = fabric.strategy
     assert isinstance(strategy, DataParallelStrategy)

@@ -18,6 +18,7 @@ import pytest
 from fabric.supervision.command_rank import CommandRank
 from fabric.supervision.signals import SignalPipe
 from fabric.supervision.supervisor import JobResult, RankFailure, RankState, Supervisor, rank_state
+from support import REPO
 
 if not sys.platform.startswith("linux"):
     pytest.skip("the supervisor tests use pidfds and /proc", allow_module_level=True)
@@ -43,6 +44,12 @@ _BODIES = {
         "import os, time; time.sleep({delay}); fd = int(os.environ['FABRIC_STATUS_FD']);"
         " os.write(fd, ('X3 %.6f\\n' % time.monotonic()).encode()); time.sleep(60)"
     ),
+    # record a traceback in the job folder as a supervised rank's excepthook does (text: {text}), report it, end
+    "raise_recorded": (
+        "import os, sys, time; sys.path.insert(0, {repo!r}); from fabric.supervision.diagnosis import record_failure;"
+        " time.sleep({delay}); record_failure(os.environ['FABRIC_JOB_DIR'], {rank}, {text!r});"
+        " fd = int(os.environ['FABRIC_STATUS_FD']); os.write(fd, ('E%.6f\\n' % time.monotonic()).encode()); sys.exit(1)"
+    ),
     "exit0_reported": (
         "import os, time; time.sleep({delay}); fd = int(os.environ['FABRIC_STATUS_FD']);"
         " os.write(fd, ('X0 %.6f\\n' % time.monotonic()).encode())"
@@ -50,10 +57,13 @@ _BODIES = {
 }
 
 
-def _supervisor(plan: dict[int, tuple[str, float]], **kwargs) -> Supervisor:
+def _supervisor(plan: dict[int, tuple[str, float]], texts: dict[int, str] | None = None, **kwargs) -> Supervisor:
+    texts = texts or {}
+
     def start_rank(rank: int, job_dir: str) -> CommandRank:
         body, delay = plan[rank]
-        command = [sys.executable, "-c", _BODIES[body].format(delay=delay)]
+        text = texts.get(rank, "")
+        command = [sys.executable, "-c", _BODIES[body].format(delay=delay, rank=rank, repo=str(REPO), text=text)]
         return CommandRank(rank, command, dict(os.environ), job_dir)
 
     return Supervisor(start_rank, sorted(plan), **kwargs)
@@ -105,6 +115,20 @@ def test_a_rank_that_ended_with_0_before_the_first_exception_is_the_cause_with_s
     assert result.failure is not None and result.failure.rank == 1 and result.failure.exitcode == 0
     assert result.exit_status == 1
     assert "rank 1 exited with code 0 while the other ranks still ran" in result.failure.describe()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("text", "cause"),
+    [
+        ("ValueError: boom from rank 0", 0),  # the code's own error: rank 1 merely finished its work first
+        ("torch.distributed.DistBackendError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer", 1),
+    ],
+)
+def test_a_rank_that_finished_before_an_exception_is_its_cause_only_if_the_exception_is_a_lost_peer(text, cause) -> None:
+    result = _supervisor({0: ("raise_recorded", 0.8), 1: ("ok", 0.2), 2: ("sleep", 0)}, texts={0: text}).run()
+    assert result.failure is not None and result.failure.rank == cause
+    assert result.exit_status == 1
 
 
 @pytest.mark.timeout(60)
