@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fabric._core.env import fabric_variable
+from fabric._core.env import fabric_variable, run_command
 from fabric.accelerators import ACCELERATOR_REGISTRY, Accelerator, CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from fabric.input_types import AcceleratorInput, DevicesInput, PluginInput, PrecisionInput, StrategyInput
 from fabric.plugins.io import CheckpointIO
@@ -115,7 +115,7 @@ def _from_environment(name: str, value: Any) -> Any:
     if value != default and str(value) != env_value:
         raise ValueError(
             f"Fabric({name}={value!r}) in the code conflicts with --{name.replace('_', '-')}={env_value} given to"
-            f" `fabric-torch run` ({fabric_variable(name)}={env_value}); remove one of them"
+            f" `{run_command()}` ({fabric_variable(name)}={env_value}); remove one of them"
         )
     if name == "num_nodes":
         if not env_value.isdigit():

@@ -16,6 +16,7 @@ __all__ = [
     "ENV_PREFIX",
     "JOB_DIR_ENV",
     "RUN_BY_CLI_ENV",
+    "RUN_COMMAND_ENV",
     "STATUS_FD_ENV",
     "SUPERVISOR_PID_ENV",
     "export_rendezvous",
@@ -23,6 +24,7 @@ __all__ = [
     "find_free_port",
     "global_rank",
     "rank_environment",
+    "run_command",
 ]
 
 #: ``fabric run --devices 2`` reaches ``Fabric()`` as ``FABRIC_DEVICES=2``.
@@ -36,6 +38,15 @@ JOB_DIR_ENV = "FABRIC_JOB_DIR"
 #: Set to "1" by ``fabric run`` for the processes it starts: ``Fabric()`` then sets the process up at once,
 #: so a script can call ``torch.distributed`` right after creating it (as under Lightning's CLI).
 RUN_BY_CLI_ENV = "FABRIC_RUN_BY_CLI"
+#: The launching command as the user typed it (``fabric-torch run``, ``fabric run``, ``python -m fabric run``), set
+#: by ``fabric run`` for its ranks so that their messages name it.
+RUN_COMMAND_ENV = "FABRIC_RUN_COMMAND"
+_DEFAULT_RUN_COMMAND = "fabric-torch run"
+
+
+def run_command() -> str:
+    """The ``run`` command as the user typed it, for messages; ``fabric-torch run`` when no CLI said."""
+    return os.environ.get(RUN_COMMAND_ENV, "").strip() or _DEFAULT_RUN_COMMAND
 
 
 def fabric_variable(name: str) -> str:
