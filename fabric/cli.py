@@ -46,7 +46,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from fabric._core.env import RUN_BY_CLI_ENV, fabric_variable, find_free_port, global_rank, rank_environment
+from fabric._core.env import RUN_BY_CLI_ENV, RUN_COMMAND_ENV, fabric_variable, find_free_port, global_rank, rank_environment
 from fabric._core.threads import share_cores
 from fabric.run_options import DEFAULT_MAIN_PORT, DISTRIBUTION, PROG, RunConfig, build_run_parser, parse_run_args
 
@@ -88,7 +88,7 @@ def processes_per_node(config: RunConfig) -> int:
 
 def fabric_environment(config: RunConfig, nprocs: int) -> dict[str, str]:
     """The FABRIC_* variables the connector reads: the options given, and the shape of a job we start."""
-    env: dict[str, str] = {RUN_BY_CLI_ENV: "1"}
+    env: dict[str, str] = {RUN_BY_CLI_ENV: "1", RUN_COMMAND_ENV: f"{config.prog} run"}
     for name in ("accelerator", "strategy", "precision"):
         value = getattr(config, name)
         if value is not None:

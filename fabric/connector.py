@@ -6,10 +6,9 @@ and plugins are checked here, where they enter, so errors name the argument the 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from fabric._core.env import fabric_variable
+from fabric._core.env import cli_option
 from fabric.accelerators import ACCELERATOR_REGISTRY, Accelerator, CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from fabric.input_types import AcceleratorInput, DevicesInput, PluginInput, PrecisionInput, StrategyInput
 from fabric.plugins.io import CheckpointIO
@@ -107,19 +106,24 @@ class Connector:
 
 
 def _from_environment(name: str, value: Any) -> Any:
-    """The value of ``FABRIC_<NAME>`` (set by ``fabric-torch run``) where the code left the argument at its default."""
-    env_value = os.environ.get(fabric_variable(name))
-    if env_value is None:
+    """The value a run command handed over where the code left the argument at its default.
+
+    ``fabric-torch run`` hands ``FABRIC_<NAME>``; Lightning's ``fabric run`` hands ``LT_<NAME>`` (read only in the
+    processes it started, ``LT_CLI_USED=1``).
+    """
+    found = cli_option(name)
+    if found is None:
         return value
+    variable, env_value, command = found
     default = _DEFAULTS[name]
     if value != default and str(value) != env_value:
         raise ValueError(
             f"Fabric({name}={value!r}) in the code conflicts with --{name.replace('_', '-')}={env_value} given to"
-            f" `fabric-torch run` ({fabric_variable(name)}={env_value}); remove one of them"
+            f" `{command}` ({variable}={env_value}); remove one of them"
         )
     if name == "num_nodes":
         if not env_value.isdigit():
-            raise ValueError(f"{fabric_variable(name)}={env_value!r} is not a positive integer")
+            raise ValueError(f"{variable}={env_value!r} is not a positive integer")
         return int(env_value)
     if name == "devices" and env_value.lstrip("-").isdigit():
         return int(env_value)

@@ -6,7 +6,6 @@ wraps objects, prints on rank 0, seeds, and dispatches to callbacks and loggers.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -19,7 +18,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric._core.env import RUN_BY_CLI_ENV
+from fabric._core.env import started_by_a_cli
 from fabric.accelerators import Accelerator
 from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_argument
 from fabric.checkpoint.state import check_filter
@@ -84,8 +83,9 @@ class Fabric:
         self._launch_called = False
         self._plain_backward = plain_backward(self._strategy)  # the precision plugin is fixed from here on
         self._device_is_cpu: bool | None = None  # found on the first to_device(): a rank's device may not exist yet
-        if os.environ.get(RUN_BY_CLI_ENV) == "1":
-            # `fabric run` started every process: set this one up now, as Lightning Fabric does under its CLI,
+        if started_by_a_cli():
+            # `fabric run` (ours or Lightning's) started every process: set this one up now, as Lightning Fabric
+            # does under its CLI,
             # so the script may use torch.distributed (or a collective) straight after creating Fabric
             self._set_up_process()
 

@@ -47,13 +47,13 @@ def _strategies() -> tuple[tuple[str, ...], dict[str, str]]:
     return ("auto", *(name for name in STRATEGY_REGISTRY if name not in refused)), refused
 
 
-def _choice(option: str, accepted: Sequence[str], extra: dict[str, str] | None = None) -> Any:
+def _choice(option: str, accepted: Sequence[str], extra: dict[str, str] | None = None, prog: str = PROG) -> Any:
     def parse(value: str) -> str:
         if value.lower() in accepted:
             return value.lower()
         if extra and value.lower() in extra:
             raise argparse.ArgumentTypeError(
-                f"{option}={value!r} cannot be used with `{PROG} run`: {extra[value.lower()]}."
+                f"{option}={value!r} cannot be used with `{prog} run`: {extra[value.lower()]}."
                 f" Accepted: {', '.join(accepted)}"
             )
         raise argparse.ArgumentTypeError(f"{option}={value!r} is not known; accepted: {', '.join(accepted)}")
@@ -145,7 +145,7 @@ def _port(value: str) -> int:
 
 
 # (dest, flags, argparse keyword arguments); the flag spellings are Lightning Fabric's.
-def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
+def _options(prog: str = PROG) -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
     strategies, refused = _strategies()
     return [
         ("accelerator", ("--accelerator",), dict(
@@ -153,7 +153,7 @@ def _options() -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
             help=f"The hardware to run on: {', '.join(ACCELERATORS)}. Default: the script's choice ('auto')."),
         ),
         ("strategy", ("--strategy",), dict(
-            type=_choice("--strategy", strategies, refused), default=None, metavar="NAME",
+            type=_choice("--strategy", strategies, refused, prog), default=None, metavar="NAME",
             help=f"How to run across devices: {', '.join(strategies)}. Default: the script's choice ('auto')."),
         ),
         ("devices", ("--devices",), dict(
@@ -240,7 +240,7 @@ def build_run_parser(prog: str = PROG, about: str = "") -> argparse.ArgumentPars
     parser.add_argument("script", metavar="SCRIPT", help="The Python script to run.")
     # a default makes argparse treat the optional list as optional in its "required" message too
     parser.add_argument("script_args", metavar="SCRIPT_ARGS", nargs="*", default=[], help="Arguments for the script.")
-    for dest, flags, kwargs in _options():
+    for dest, flags, kwargs in _options(prog):
         parser.add_argument(*flags, dest=dest, **kwargs)
     return parser
 
@@ -302,6 +302,7 @@ class RunConfig:
     shutdown_timeout: float | None = None  # None: the supervisor's default
     min_nodes: int | None = None  # the fewest machines it goes on with (MIN of MIN:MAX); None: num_nodes
     rdzv_conf: dict[str, int] | None = None  # --rdzv-conf
+    prog: str = PROG  # the command as the user typed it (`fabric-torch`, `fabric`, `python -m fabric`)
 
     @property
     def elastic(self) -> bool:
@@ -365,4 +366,5 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
         shutdown_timeout=args.shutdown_timeout,
         min_nodes=min_nodes,
         rdzv_conf=args.rdzv_conf,
+        prog=prog,
     )

@@ -91,6 +91,24 @@ def test_usage_lines_name_the_command_as_it_was_called() -> None:
     assert run_options.PROG == run_options.DISTRIBUTION == "fabric-torch"
 
 
+@pytest.mark.timeout(90)
+def test_messages_to_the_ranks_name_the_command_as_it_was_typed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A conflict between an option and the code names `python -m fabric run` or `fabric-torch run`, as typed."""
+    script = tmp_path / "conflict.py"
+    script.write_text("from fabric import Fabric\nFabric(accelerator='cpu', precision='64-true')\n")
+    commands = {"python -m fabric run": fabric_run(), "fabric-torch run": [str(Path(PYTHON).parent / "fabric-torch"), "run"]}
+    for typed, command in commands.items():
+        result = run([*command, "--precision", "bf16-mixed", str(script)], timeout=40, check=False)
+        assert result.returncode == 1, result.stderr
+        assert f"--precision=bf16-mixed given to `{typed}`" in result.stderr, result.stderr
+        others = [other for other in commands if other != typed]
+        assert not any(f"`{other}`" in result.stderr for other in others), result.stderr
+    # the refusal of a strategy the command cannot start names the command as typed too
+    with pytest.raises(SystemExit):
+        run_options.parse_run_args(["--strategy", "ddp_spawn", str(script)], prog="python -m fabric")
+    assert "cannot be used with `python -m fabric run`" in capsys.readouterr().err
+
+
 # A distribution that installs a console script named `fabric`, as `lightning` and `lightning-fabric` do.
 _STAND_IN_PYPROJECT = """\
 [build-system]
@@ -297,7 +315,8 @@ def test_processes_per_node_and_fabric_variables() -> None:
     assert config("--devices", "[3]").devices == "3,"
     # options not given are left to the script; the shape of a job the CLI starts is always passed on
     # every process it starts is marked, so Fabric() sets it up at once (FABRIC_RUN_BY_CLI)
-    marked = {"FABRIC_RUN_BY_CLI": "1"}
+    # and told the command as typed, for its messages (FABRIC_RUN_COMMAND)
+    marked = {"FABRIC_RUN_BY_CLI": "1", "FABRIC_RUN_COMMAND": "fabric-torch run"}
     assert cli.fabric_environment(config(), 1) == marked
     assert cli.fabric_environment(config("--precision", "bf16", "--accelerator", "CPU"), 1) == {
         **marked, "FABRIC_PRECISION": "bf16", "FABRIC_ACCELERATOR": "cpu"}
@@ -350,7 +369,8 @@ def test_one_process_becomes_the_script_with_options_in_fabric_variables(tmp_pat
     assert shown["pid"] == proc.pid  # no extra process in between
     assert shown["argv"] == ["a", "--b", "c"]
     assert shown["rank"] is None and shown["world"] == 1
-    assert shown["fabric"] == {"FABRIC_ACCELERATOR": "cpu", "FABRIC_PRECISION": "bf16-mixed", "FABRIC_RUN_BY_CLI": "1"}
+    assert shown["fabric"] == {"FABRIC_ACCELERATOR": "cpu", "FABRIC_PRECISION": "bf16-mixed", "FABRIC_RUN_BY_CLI": "1",
+                               "FABRIC_RUN_COMMAND": "python -m fabric run"}
     assert shown["precision"] == "bf16-mixed" and shown["device"] == "cpu"
 
 

@@ -24,8 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("fabric.strategies.launchers",),
     ("fabric.checkpoint",),
     ("fabric.accelerators", "fabric.plugins", "fabric.loggers", "fabric.callbacks"),
+    ("fabric.plugins.environments",),  # a plugin family, so above the utilities; standard library and _core only
     ("fabric.utilities",),
-    ("fabric.plugins.environments",),
     ("fabric.supervision",),
     ("fabric._core",),
 ]

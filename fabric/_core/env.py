@@ -15,14 +15,20 @@ import socket
 __all__ = [
     "ENV_PREFIX",
     "JOB_DIR_ENV",
+    "LIGHTNING_CLI_ENV",
     "RUN_BY_CLI_ENV",
+    "RUN_COMMAND_ENV",
     "STATUS_FD_ENV",
     "SUPERVISOR_PID_ENV",
+    "cli_option",
     "export_rendezvous",
     "fabric_variable",
     "find_free_port",
     "global_rank",
     "rank_environment",
+    "run_command",
+    "started_by_a_cli",
+    "started_by_lightning_cli",
 ]
 
 #: ``fabric run --devices 2`` reaches ``Fabric()`` as ``FABRIC_DEVICES=2``.
@@ -36,6 +42,47 @@ JOB_DIR_ENV = "FABRIC_JOB_DIR"
 #: Set to "1" by ``fabric run`` for the processes it starts: ``Fabric()`` then sets the process up at once,
 #: so a script can call ``torch.distributed`` right after creating it (as under Lightning's CLI).
 RUN_BY_CLI_ENV = "FABRIC_RUN_BY_CLI"
+#: The launching command as the user typed it (``fabric-torch run``, ``fabric run``, ``python -m fabric run``), set
+#: by ``fabric run`` for its ranks so that their messages name it.
+RUN_COMMAND_ENV = "FABRIC_RUN_COMMAND"
+_DEFAULT_RUN_COMMAND = "fabric-torch run"
+
+
+#: Lightning Fabric's CLI (its ``fabric run``, ``python -m lightning_fabric.cli``) marks the ranks it starts
+#: through torchrun with ``LT_CLI_USED=1`` and hands its options over as ``LT_ACCELERATOR``, ``LT_STRATEGY``,
+#: ``LT_DEVICES``, ``LT_NUM_NODES`` and ``LT_PRECISION``.
+LIGHTNING_CLI_ENV = "LT_CLI_USED"
+_LIGHTNING_PREFIX = "LT_"
+
+
+def started_by_lightning_cli() -> bool:
+    """Whether Lightning Fabric's CLI started this process (``LT_CLI_USED`` is a non-zero number)."""
+    value = os.environ.get(LIGHTNING_CLI_ENV, "").strip()
+    return value.isdigit() and int(value) != 0
+
+
+def started_by_a_cli() -> bool:
+    """Whether ``fabric run`` (ours or Lightning's) started this process: ``Fabric()`` then joins the job at once."""
+    return os.environ.get(RUN_BY_CLI_ENV) == "1" or started_by_lightning_cli()
+
+
+def cli_option(name: str) -> tuple[str, str, str] | None:
+    """An option a run command handed to ``Fabric()``: (variable, value, the command as typed), or None.
+
+    Ours (``FABRIC_<NAME>``) first; Lightning's CLI's (``LT_<NAME>``) only in a process that CLI started.
+    """
+    variable = fabric_variable(name)
+    if variable in os.environ:
+        return variable, os.environ[variable], run_command()
+    variable = _LIGHTNING_PREFIX + name.upper()
+    if variable in os.environ and started_by_lightning_cli():
+        return variable, os.environ[variable], "fabric run"
+    return None
+
+
+def run_command() -> str:
+    """The ``run`` command as the user typed it, for messages; ``fabric-torch run`` when no CLI said."""
+    return os.environ.get(RUN_COMMAND_ENV, "").strip() or _DEFAULT_RUN_COMMAND
 
 
 def fabric_variable(name: str) -> str:

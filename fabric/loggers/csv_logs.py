@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import csv
 import json
 import os
-import weakref
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +16,7 @@ from fabric.loggers.logger import (
     params_to_dict,
     rank_zero_experiment,
     rank_zero_only,
+    register_close_at_exit,
     to_number,
 )
 
@@ -61,12 +60,11 @@ class CSVLogger(FolderLogger):
         self._logged_rows = 0
         self._hparams: dict[str, Any] = {}
         self._checked_folder = False
-        self._save_at_exit()
+        register_close_at_exit(self)  # buffered rows must not be lost when the script ends without finalize()
 
-    def _save_at_exit(self) -> None:
-        # buffered rows must not be lost when the script ends without finalize()
-        ref = weakref.ref(self)
-        atexit.register(lambda: (logger := ref()) is not None and logger.save())
+    def close_at_exit(self) -> None:
+        """Write what is buffered (called once, as the process ends)."""
+        self.save()
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy sent to another process (spawn) starts without this process's unwritten rows
@@ -76,7 +74,7 @@ class CSVLogger(FolderLogger):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._save_at_exit()
+        register_close_at_exit(self)
 
     # ---- where ------------------------------------------------------------------------------------
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import sys
+import weakref
 from abc import ABC, abstractmethod
 from argparse import Namespace
 from collections.abc import Callable, Mapping
@@ -15,6 +18,30 @@ from fabric.utilities.rank_zero import rank_zero_only
 __all__ = ["Logger", "NoOpExperiment", "rank_zero_experiment", "rank_zero_only"]
 
 DEFAULT_NAME = "fabric_logs"
+
+# Our loggers that may hold what is not on disk yet. Weak: a logger nobody uses can still be collected.
+_OPEN_LOGGERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_EXIT_HOOK_REGISTERED = False
+
+
+def register_close_at_exit(logger: Any) -> None:
+    """Have ``logger.close_at_exit()`` run when the process ends (normally, or after an exception), if it still exists.
+
+    So a script that ends without ``finalize`` keeps its last rows and events; one hook for all loggers.
+    """
+    global _EXIT_HOOK_REGISTERED
+    _OPEN_LOGGERS.add(logger)
+    if not _EXIT_HOOK_REGISTERED:
+        atexit.register(_close_open_loggers)
+        _EXIT_HOOK_REGISTERED = True
+
+
+def _close_open_loggers() -> None:
+    for logger in list(_OPEN_LOGGERS):
+        try:
+            logger.close_at_exit()
+        except Exception as err:  # one logger's failure must not cost the others their data
+            print(f"[fabric] could not write {type(logger).__name__}'s last data at exit: {err!r}", file=sys.stderr, flush=True)
 _VERSION_DIR = re.compile(r"version_(\d+)")
 
 

@@ -19,6 +19,7 @@ from fabric.loggers.logger import (
     params_to_dict,
     rank_zero_experiment,
     rank_zero_only,
+    register_close_at_exit,
     to_number,
 )
 
@@ -68,6 +69,11 @@ class TensorBoardLogger(FolderLogger):
         self._sub_dir = None if sub_dir is None else os.fspath(sub_dir)
         self._kwargs = kwargs
         self._writer: Any = None
+        register_close_at_exit(self)  # the writer's last events must not be lost when the script ends without finalize()
+
+    def close_at_exit(self) -> None:
+        """Flush and close the writer (called once, as the process ends)."""
+        self.finalize("success")
 
     @property
     def log_dir(self) -> str:
@@ -154,6 +160,10 @@ class TensorBoardLogger(FolderLogger):
         state = self.__dict__.copy()
         state["_writer"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        register_close_at_exit(self)
 
 
 def _hparam_value(value: Any) -> Any:

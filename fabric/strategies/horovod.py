@@ -41,6 +41,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from fabric._core.cluster import HOROVOD_RANK
 from fabric.checkpoint.fit import check_optimizer_state_fits
 from fabric.strategies.horovod_environment import HorovodEnvironment
 from fabric.strategies.horovod_optimizer import (
@@ -136,7 +137,7 @@ class HorovodStrategy(ParallelStrategy):
     def _set_world_ranks(self) -> None:
         # Horovod decides the ranks, and asking it would initialize it already in Fabric(...): rank-zero
         # output follows horovodrun's variable until setup_environment() asks Horovod itself
-        rank = os.environ.get("HOROVOD_RANK", "")
+        rank = os.environ.get(HOROVOD_RANK, "")
         if rank.isdigit():
             set_rank_zero_rank(int(rank))
 

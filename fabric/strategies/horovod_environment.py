@@ -8,6 +8,7 @@ from typing import Any
 
 from typing_extensions import override
 
+from fabric._core.cluster import HOROVOD_RANK
 from fabric.plugins.environments import ClusterEnvironment
 
 __all__ = ["HorovodEnvironment"]
@@ -41,7 +42,7 @@ class HorovodEnvironment(ClusterEnvironment):
     @staticmethod
     @override
     def detect() -> bool:
-        return "HOROVOD_RANK" in os.environ
+        return HOROVOD_RANK in os.environ
 
     @override
     def world_size(self) -> int:

@@ -70,10 +70,10 @@ def _requeue_at_exit_if_asked(strategy: Any) -> None:
     global _REQUEUE_REGISTERED
     if _REQUEUE_REGISTERED or strategy.global_rank != 0:
         return
-    from fabric.plugins.environments import SLURMEnvironment
-
+    # only a SLURMEnvironment carries auto_requeue; asking for the attribute keeps this module below the
+    # cluster environments (an import of SLURMEnvironment would point up the layers)
     environment = getattr(strategy, "cluster_environment", None)
-    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
+    if not getattr(environment, "auto_requeue", False):
         return
     _REQUEUE_REGISTERED = True
     atexit.register(requeue_slurm_job)

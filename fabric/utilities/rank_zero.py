@@ -14,12 +14,12 @@ from typing import Any
 from lightning_utilities.core.rank_zero import WarningCache as _UtilitiesWarningCache
 from lightning_utilities.core.rank_zero import rank_prefixed_message, rank_zero_only
 
-from fabric.plugins.environments import rank_from_environment
+from fabric._core.cluster import rank_from_environment
 
 log = logging.getLogger("fabric")
 
 # the launchers and external launchers (torchrun, SLURM, MPI, LSF, Horovod) exported the global rank;
-# the cluster environments know where
+# _core.cluster knows where
 def set_rank_zero_rank(rank: int) -> None:
     """Tell the rank-zero helpers which global rank this process has."""
     rank_zero_only.rank = rank  # type: ignore[attr-defined]  # lightning-utilities reads it but does not declare it

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from fabric._core.cluster import GLOBAL_RANK_VARIABLES, in_slurm_batch_job, rank_from_environment
 from fabric._core.devices import DevicesSyntaxError, parse_devices
 from fabric._core.env import fabric_variable, global_rank, rank_environment
-from fabric.plugins.environments import rank_from_environment
 
 
 @pytest.mark.parametrize(
@@ -48,8 +48,21 @@ def test_rank_variables_follow_one_formula():
      ({"RANK": "x", "PMI_RANK": "4"}, 4), ({"JSM_NAMESPACE_RANK": "5"}, 5)],
 )  # fmt: skip
 def test_the_rank_for_rank_zero_output_comes_from_any_launcher(monkeypatch, variables, rank):
-    for name in ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"):
+    for name in GLOBAL_RANK_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     assert rank_from_environment() == rank
+
+
+def test_the_cluster_environments_share_core_rules(monkeypatch):
+    """One copy of each rule: the environments' rank-zero rank and Slurm detection are _core's."""
+    from fabric.plugins import environments
+
+    assert environments.rank_from_environment is rank_from_environment
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    for job_name, detected in (("train", True), ("bash", False), ("interactive", False)):
+        monkeypatch.setenv("SLURM_JOB_NAME", job_name)
+        assert in_slurm_batch_job() is detected
+        assert environments.SLURMEnvironment.detect() is detected

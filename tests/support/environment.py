@@ -9,7 +9,7 @@ from fabric._core.env import ENV_PREFIX, find_free_port
 from support import REPO, TESTS
 
 # Variables of an outer job or launcher (or of `fabric run` options) that must not reach a job a test starts.
-JOB_PREFIXES = (ENV_PREFIX, "SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "LSB_", "JSM_", "HOROVOD_")
+JOB_PREFIXES = (ENV_PREFIX, "LT_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_", "LSB_", "JSM_", "HOROVOD_")
 JOB_NAMES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
     "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "OMP_NUM_THREADS", "KUBERNETES_PORT", "WORKER_SETUP_IDX",

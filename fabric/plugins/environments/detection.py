@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from fabric._core.cluster import rank_from_environment
 from fabric.plugins.environments.base import ClusterEnvironment, log
 from fabric.plugins.environments.kubeflow import KubeflowEnvironment
 from fabric.plugins.environments.lightning import LightningEnvironment
@@ -23,11 +22,6 @@ _DETECTION_ORDER: tuple[type[ClusterEnvironment], ...] = (
     LightningEnvironment,
 )
 
-# Where each launcher puts the global rank: torchrun/fabric run/Kubeflow, Slurm, LSF, Open MPI, MPICH/PMI,
-# horovodrun.
-_GLOBAL_RANK_VARIABLES = ("RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK")
-
-
 def detect_cluster_environment() -> ClusterEnvironment:
     """Instantiate the first environment that recognises the current process.
 
@@ -39,16 +33,3 @@ def detect_cluster_environment() -> ClusterEnvironment:
             log.debug("Detected cluster environment %s.", env_cls.__name__)
             return env_cls()
     return LightningEnvironment()  # pragma: no cover - LightningEnvironment.detect() is always True
-
-
-def rank_from_environment() -> int:
-    """The global rank a launcher exported to this process, 0 when none did.
-
-    For rank-zero-only output at import time, before any strategy exists: it never raises and never
-    talks to a launcher (no mpi4py), it only reads the variables the launchers set.
-    """
-    for name in _GLOBAL_RANK_VARIABLES:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from fabric._core.cluster import TORCHRUN_RANK
 from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, check_world_size, env_int
 
 __all__ = ["KubeflowEnvironment"]
@@ -26,13 +27,13 @@ class KubeflowEnvironment(ClusterDecidesRanks, ClusterEnvironment):
         return env_int("WORLD_SIZE", minimum=1)
 
     def global_rank(self) -> int:
-        return env_int("RANK")
+        return env_int(TORCHRUN_RANK)
 
     def local_rank(self) -> int:
         return 0
 
     def node_rank(self) -> int:
-        return env_int("RANK")
+        return env_int(TORCHRUN_RANK)
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         check_world_size("WORLD_SIZE", self.world_size(), num_devices, num_nodes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
+from fabric._core.cluster import LSF_RANK
 from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, check_world_size, env_int, env_port, port_from_job_id
 
 __all__ = ["LSFEnvironment"]
@@ -53,7 +54,7 @@ class LSFEnvironment(ClusterDecidesRanks, ClusterEnvironment):
         return env_int("JSM_NAMESPACE_SIZE", minimum=1)
 
     def global_rank(self) -> int:
-        return env_int("JSM_NAMESPACE_RANK")
+        return env_int(LSF_RANK)
 
     def local_rank(self) -> int:
         return env_int("JSM_NAMESPACE_LOCAL_RANK")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 
+from fabric._core.cluster import SLURM_RANK, in_slurm_batch_job
 from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, env_int, env_port, env_str, port_from_job_id
 from fabric.plugins.environments.slurm_nodelist import parse_slurm_nodelist
 
@@ -59,7 +60,7 @@ class SLURMEnvironment(ClusterDecidesRanks, ClusterEnvironment):
 
     @staticmethod
     def detect() -> bool:
-        return "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+        return in_slurm_batch_job()
 
     @staticmethod
     def resolve_root_node_address(nodes: str) -> str:
@@ -73,7 +74,7 @@ class SLURMEnvironment(ClusterDecidesRanks, ClusterEnvironment):
         return env_int("SLURM_NTASKS", minimum=1)
 
     def global_rank(self) -> int:
-        return env_int("SLURM_PROCID")
+        return env_int(SLURM_RANK)
 
     def local_rank(self) -> int:
         return env_int("SLURM_LOCALID")

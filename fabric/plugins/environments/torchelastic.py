@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from fabric._core.cluster import TORCHRUN_RANK
 from fabric.plugins.environments.base import ClusterDecidesRanks, ClusterEnvironment, check_world_size, env_int
 
 __all__ = ["TorchElasticEnvironment"]
@@ -29,7 +30,7 @@ class TorchElasticEnvironment(ClusterDecidesRanks, ClusterEnvironment):
         return env_int("WORLD_SIZE", minimum=1)
 
     def global_rank(self) -> int:
-        return env_int("RANK")
+        return env_int(TORCHRUN_RANK)
 
     def local_rank(self) -> int:
         return env_int("LOCAL_RANK")
