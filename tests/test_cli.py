@@ -390,7 +390,7 @@ def test_two_processes_get_rank_variables(tmp_path: Path) -> None:
         assert record["fabric"].pop("FABRIC_PARENT_PID").isdigit()
         assert "fabric-job-" in record["fabric"].pop("FABRIC_JOB_DIR")
         record["fabric"].pop("FABRIC_STATUS_FD", None)  # taken out of the environment once Fabric runs
-        assert record["fabric"] == {"FABRIC_DEVICES": "2", "FABRIC_RUN_BY_CLI": "1"}
+        assert record["fabric"] == {"FABRIC_DEVICES": "2", "FABRIC_RUN_BY_CLI": "1", "FABRIC_RUN_COMMAND": "python -m fabric run"}
         assert record["argv"] == ["--lr", "1"]
 
 
