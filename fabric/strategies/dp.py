@@ -55,7 +55,7 @@ class DataParallelStrategy(OneProcessCollectives, ParallelStrategy):
     def setup_module(self, module: Module) -> DataParallel:
         device_ids = [d.index for d in self.parallel_devices or [] if d.type == "cuda"]
         if not device_ids:
-            return _HostDataParallel(module)
+            return _host_data_parallel(module)
         return DataParallel(module, device_ids=device_ids, output_device=device_ids[0])
 
     @override
@@ -74,14 +74,14 @@ def _unwrap_dp(module: Module) -> Module:
     return module.module if isinstance(module, DataParallel) else module
 
 
-class _HostDataParallel(DataParallel):
-    """DataParallel with no device: it calls the module as it is.
+def _host_data_parallel(module: Module) -> DataParallel:
+    """A DataParallel with no device, which calls the module as it is (what torch builds on a machine without GPUs).
 
     torch's constructor given no device ids takes every GPU of the machine (and moves the module to the
-    first); a job that asked for the CPU must stay there.
+    first); a job that asked for the CPU must stay there. The object is torch's class itself, as users see it.
     """
-
-    def __init__(self, module: Module) -> None:
-        Module.__init__(self)
-        self.module = module
-        self.device_ids = []
+    wrapper = DataParallel.__new__(DataParallel)
+    Module.__init__(wrapper)
+    wrapper.module = module
+    wrapper.device_ids = []
+    return wrapper

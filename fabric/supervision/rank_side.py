@@ -145,11 +145,19 @@ def exit_status_of(code: object) -> int:
 
 
 def write_stderr(message: str) -> None:
-    """Write and flush, ignoring a closed or broken stderr (we may be dying)."""
+    """Write to the process's real stderr in one system call, ignoring a closed or broken one (we may be dying).
+
+    Not through ``sys.stderr``: torch.distributed's excepthook points it at a buffer while the hook it wrapped
+    runs, and a report another thread wrote there then was lost when the process ended (``os._exit``).
+    """
     try:
-        sys.stderr.write(message if message.endswith("\n") else message + "\n")
-        sys.stderr.flush()
-    except (OSError, ValueError, AttributeError):
+        if sys.__stderr__ is not None:
+            sys.__stderr__.flush()  # what was written before goes first
+    except (OSError, ValueError):
+        pass
+    try:
+        os.write(2, (message if message.endswith("\n") else message + "\n").encode(errors="replace"))
+    except OSError:
         pass
 
 
