@@ -37,8 +37,9 @@ from fabric.plugins.io.integrity import crc32
 from fabric.plugins.io.publish import OBJECTS_FILE, atomic_save
 from fabric.plugins.io.safe_reader import (
     SafeFileSystemReader,
-    check_data_files,
+    check_data_files_belong,
     check_index_crc,
+    data_files_of,
     first_failure,
     quiet_single_process,
     read_index,
@@ -131,9 +132,11 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
             raise RuntimeError(f"{failed} {shards_error}")
         try:
             # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
-            # CRCs) carries one for it
+            # CRCs) carries one for it, and binds every data file to this save (name, size, its records' CRCs)
             index_crc = crc32((temp / publish.INDEX_FILE).read_bytes())
-            atomic_save({**objects, "index_crc32": index_crc}, temp / OBJECTS_FILE)
+            data_files = data_files_of(temp, read_index(temp))
+            binding = {"index_crc32": index_crc, "save_id": token, "data_files": data_files}
+            atomic_save({**objects, **binding}, temp / OBJECTS_FILE)
             publish.commit_folder(temp, path, token)
         except Exception as err:
             raise RuntimeError(f"{failed} {type(err).__name__}: {err}") from err
@@ -210,7 +213,7 @@ class ShardedFolder:
             objects = read_objects(folder, self._weights_only)
             check_index_crc(folder, objects.get("index_crc32"))
             index = read_index(folder)
-            check_data_files(folder, index)
+            check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"))
             self._opened = (folder, objects, index)
         return self._opened
 
