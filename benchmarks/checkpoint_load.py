@@ -12,6 +12,8 @@ each repetition:
                                              straight into the model's and optimizer's tensors;
 * folder, ``load_sharded``                -- ours (index and file-size checks, CRC of every item, reads
                                              into new storage, then the model's tensors copied in).
+* folder, ``load_sharded, no binding check`` -- ours on a copy of the folder without the record that binds
+                                             its data files to the save: the cost of that check, by difference.
 
 One process; the file is ``--size-mb`` of parameters, the folder the same model with its Adam state.
 Files are in the page cache after the first repetition, so this is the CPU cost of the checks, the
