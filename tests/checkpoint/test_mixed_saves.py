@@ -130,6 +130,17 @@ def test_a_shard_file_of_another_size_is_named_with_both_sizes(two_saves, tmp_pa
         load_sharded(folder)
 
 
+def test_a_damaged_archive_directory_is_named_as_damage(two_saves, tmp_path):
+    folder = tmp_path / "damaged"
+    shutil.copytree(two_saves / "a", folder)
+    data = bytearray((folder / SHARD).read_bytes())
+    end = data.rfind(b"PK\x05\x06")  # the last item's end-of-directory record
+    data[end : end + 4] = b"XXXX"
+    (folder / SHARD).write_bytes(bytes(data))
+    with pytest.raises(CheckpointLoadError, match=rf"{SHARD}.*is damaged"):
+        load_sharded(folder)
+
+
 def test_a_folder_saved_before_the_binding_loads_and_says_so_once(two_saves, tmp_path, monkeypatch):
     folder = tmp_path / "legacy"
     shutil.copytree(two_saves / "a", folder)

@@ -252,14 +252,17 @@ def check_data_files_belong(folder: Path, metadata: Metadata, save_id: str | Non
         )
     written = {name: entry.get("bytes") for name, entry in recorded.items()}
     check_data_files(folder, metadata, written)  # missing, unreadable or too short for the index
-    for name in sorted(named):  # sizes first: cheap, and the clearest reason
+    for name in sorted(named):  # sizes before digests: cheap, and the clearest reason
         size = (Path(folder) / name).stat().st_size
         if size != written[name]:
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} mixes files of different saves: its data file {name!r} does not belong to"
                 f" {this_save}: it has {size} bytes, that save wrote {written[name]}"
             )
-    actual = data_files_of(folder, metadata)
+    try:
+        actual = data_files_of(folder, metadata)
+    except CorruptCheckpointError as err:  # an archive's directory that cannot be read: named as damage
+        raise CheckpointLoadError(f"Checkpoint {str(folder)!r}: {err}") from None
     foreign = sorted(name for name in named if actual[name]["records_crc32"] != recorded[name].get("records_crc32"))
     if foreign:
         raise CheckpointLoadError(
