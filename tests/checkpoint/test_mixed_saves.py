@@ -130,6 +130,22 @@ def test_a_shard_file_of_another_size_is_named_with_both_sizes(two_saves, tmp_pa
         load_sharded(folder)
 
 
+def test_ranks_that_agree_afterwards_share_the_digest_checks_between_them(two_saves, tmp_path):
+    folder = tmp_path / "mixed"
+    shutil.copytree(two_saves / "a", folder)
+    shutil.copy(two_saves / "older" / SHARD, folder / SHARD)
+    objects = torch.load(folder / OBJECTS_FILE, weights_only=True)
+    index = safe_reader.read_index(folder)
+
+    def check(share: tuple[int, int] | None) -> None:
+        safe_reader.check_data_files_belong(folder, index, objects["save_id"], objects["data_files"], share)
+
+    for share in (None, (0, 1), (0, 2)):  # the one data file is the first rank's to check
+        with pytest.raises(CheckpointLoadError, match=SHARD):
+            check(share)
+    check((1, 2))  # the second rank leaves it to the first (the load walk's agreement tells it the outcome)
+
+
 def test_a_damaged_archive_directory_is_named_as_damage(two_saves, tmp_path):
     folder = tmp_path / "damaged"
     shutil.copytree(two_saves / "a", folder)

@@ -200,17 +200,19 @@ def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] |
             )
 
 
-def data_files_of(folder: Path, metadata: Metadata) -> dict[str, dict[str, int]]:
+def data_files_of(folder: Path, metadata: Metadata, only: set[str] | None = None) -> dict[str, dict[str, int]]:
     """Each data file the index names: ``{"bytes": its size, "records_crc32": a digest of its records' CRC-32s}``.
 
     The digest is read from the directories of the file's archives (one per item: a few KiB at the end of each,
     no pass over the data, see ``integrity.records_digest``). A save records it for every file, and a load
     compares (:func:`check_data_files_belong`): a file from another save, or another rank's file, has other
     CRCs unless it holds the same bytes. Items torch stored transformed (compressed: never by fabric) carry
-    no archive and are left out.
+    no archive and are left out. ``only``: just these files.
     """
     archives: dict[str, list[tuple[int, int]]] = {}
     for info in (metadata.storage_data or {}).values():
+        if only is not None and info.relative_path not in only:
+            continue
         spans = archives.setdefault(info.relative_path, [])
         if not getattr(info, "transform_descriptors", None):
             spans.append((info.offset, info.length))
@@ -223,13 +225,17 @@ def data_files_of(folder: Path, metadata: Metadata) -> dict[str, dict[str, int]]
     return found
 
 
-def check_data_files_belong(folder: Path, metadata: Metadata, save_id: str | None, recorded: Any) -> None:
+def check_data_files_belong(
+    folder: Path, metadata: Metadata, save_id: str | None, recorded: Any, share: tuple[int, int] | None = None
+) -> None:
     """Every data file the index names exists (``check_data_files``) and is the one the save recorded in the
     objects file: same name, size and records' CRC-32s (``data_files_of``), checked before anything is read;
     one that differs is named. Sizes are compared before the digests.
 
     A folder saved before fabric recorded its data files (``recorded`` is None) is loaded with only the
-    index's checks, and said so once per process.
+    index's checks, and said so once per process. ``share``: ``(rank, world_size)`` when the ranks agree on
+    the outcome afterwards: each rank then reads the digests of every ``world_size``-th file only, so a
+    job's ranks read each directory once between them rather than once each.
     """
     if recorded is None:
         say_once_unbound(folder)
@@ -259,8 +265,11 @@ def check_data_files_belong(folder: Path, metadata: Metadata, save_id: str | Non
                 f"Checkpoint {str(folder)!r} mixes files of different saves: its data file {name!r} does not belong to"
                 f" {this_save}: it has {size} bytes, that save wrote {written[name]}"
             )
+    if share is not None:
+        rank, world_size = share
+        named = set(sorted(named)[rank::world_size])
     try:
-        actual = data_files_of(folder, metadata)
+        actual = data_files_of(folder, metadata, only=named)
     except CorruptCheckpointError as err:  # an archive's directory that cannot be read: named as damage
         raise CheckpointLoadError(f"Checkpoint {str(folder)!r}: {err}") from None
     foreign = sorted(name for name in named if actual[name]["records_crc32"] != recorded[name].get("records_crc32"))
