@@ -37,8 +37,9 @@ from fabric.plugins.io.integrity import crc32
 from fabric.plugins.io.publish import OBJECTS_FILE, atomic_save
 from fabric.plugins.io.safe_reader import (
     SafeFileSystemReader,
-    check_data_files,
+    check_data_files_belong,
     check_index_crc,
+    data_files_of,
     first_failure,
     quiet_single_process,
     read_index,
@@ -131,9 +132,11 @@ def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: di
             raise RuntimeError(f"{failed} {shards_error}")
         try:
             # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
-            # CRCs) carries one for it
+            # CRCs) carries one for it, and binds every data file to this save (name, size, its records' CRCs)
             index_crc = crc32((temp / publish.INDEX_FILE).read_bytes())
-            atomic_save({**objects, "index_crc32": index_crc}, temp / OBJECTS_FILE)
+            data_files = data_files_of(temp, read_index(temp))
+            binding = {"index_crc32": index_crc, "save_id": token, "data_files": data_files}
+            atomic_save({**objects, **binding}, temp / OBJECTS_FILE)
             publish.commit_folder(temp, path, token)
         except Exception as err:
             raise RuntimeError(f"{failed} {type(err).__name__}: {err}") from err
@@ -184,7 +187,7 @@ def load_sharded(
             f"Loading the sharded checkpoint {str(path)!r} needs a dict of states such as"
             f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
         )
-    folder = ShardedFolder(path, state, weights_only)
+    folder = ShardedFolder(path, state, weights_only, agreed=True)
     try:
         return restore(folder, state, strict=strict, agree=agree_in_group)
     except BaseException:
@@ -196,8 +199,11 @@ class ShardedFolder:
     """A folder of shards as an ``EntrySource``: checks from its index alone, reads into new storage of the
     target's layout (any number of processes), hands the values to torch's distributed state-dict API."""
 
-    def __init__(self, path: str | Path, state: dict[str, Any], weights_only: bool | None) -> None:
+    def __init__(self, path: str | Path, state: dict[str, Any], weights_only: bool | None, agreed: bool = False) -> None:
+        """``agreed``: opened inside the load walk's first agreement (``restore``), so the ranks can share
+        the checks of the data files' digests (any rank's refusal reaches every rank)."""
         self.path = path
+        self._agreed = agreed
         self._state = state
         self._weights_only = weights_only
         self._opened: tuple[Path, dict[str, Any], Any] | None = None
@@ -210,7 +216,8 @@ class ShardedFolder:
             objects = read_objects(folder, self._weights_only)
             check_index_crc(folder, objects.get("index_crc32"))
             index = read_index(folder)
-            check_data_files(folder, index)
+            share = _rank_and_world_size() if self._agreed else None
+            check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
             self._opened = (folder, objects, index)
         return self._opened
 
@@ -396,6 +403,13 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _rank_and_world_size() -> tuple[int, int] | None:
+    """This process's rank and the world size of the default group (the group ``restore`` agrees over), if any."""
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else None
 
 
 

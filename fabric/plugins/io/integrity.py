@@ -31,7 +31,16 @@ try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
-__all__ = ["SMALL_ARCHIVE", "CheckedArchive", "CorruptCheckpointError", "crc32", "load_checked", "mismatch_message", "say_once_nothing_to_check"]
+__all__ = [
+    "SMALL_ARCHIVE",
+    "CheckedArchive",
+    "CorruptCheckpointError",
+    "crc32",
+    "load_checked",
+    "mismatch_message",
+    "records_digest",
+    "say_once_nothing_to_check",
+]
 
 T = TypeVar("T")
 
@@ -51,6 +60,7 @@ _MAX_COMMENT = 0xFFFF
 SMALL_ARCHIVE = 64 * 2**10  # an archive up to this size is read whole, checked, then loaded from memory
 _NOTHING = memoryview(b"")
 _CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
+_DIGESTED = struct.Struct("<QL")  # a record's size and CRC-32, as records_digest folds them in
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -380,6 +390,18 @@ def mismatch_message(name: str, size: int, where: str) -> str:
         f"{where} is damaged: the bytes of record {name!r} ({size} bytes) do not match the checksum"
         " written with them (bit rot, or a partial overwrite)"
     )
+
+
+def records_digest(fd: int, archives: list[tuple[int, int]], where: str) -> int:
+    """A CRC-32 over the size and CRC-32 of every record of the archives at ``archives`` (``(start, length)``
+    pairs, in this order) of the open file ``fd``, read from the archives' directories alone (a few KiB at the
+    end of each, no pass over the data): it changes when any record's bytes do, so it binds a data file to the
+    save that recorded it. A damaged directory raises :class:`CorruptCheckpointError` naming ``where``."""
+    digest = 0
+    for start, length in archives:
+        records, _, _ = _read_directory(_file_reader(fd, start), length, where)
+        digest = crc32(b"".join(_DIGESTED.pack(record.size, record.crc) for record in records), digest)
+    return digest
 
 
 _told_unchecked = False

@@ -14,6 +14,7 @@ one that fills it in another layout gives it the storage ``torch.load`` made ins
 
 from __future__ import annotations
 
+import os
 import pickle
 import stat
 import warnings
@@ -29,8 +30,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
-from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, CorruptCheckpointError, crc32, load_checked
+from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, CorruptCheckpointError, crc32, load_checked, records_digest
 from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
+from fabric.plugins.io.publish import OBJECTS_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError
 from fabric.plugins.io.tensor_record import read_into
 
@@ -156,13 +158,15 @@ def check_index_crc(folder: Path, expected: int | None) -> None:
         raise CheckpointLoadError(f"{str(folder)!r} is not a complete sharded checkpoint: it has no {METADATA_FILE} file") from None
     if actual != expected:
         raise CheckpointLoadError(
-            f"Checkpoint {str(folder)!r} is damaged: its index {METADATA_FILE!r} does not match the checksum written with it"
+            f"Checkpoint {str(folder)!r} is damaged or mixed: its index {METADATA_FILE!r} does not match the checksum"
+            f" {OBJECTS_FILE!r} recorded for it (damaged bytes, or one of the two files is from another save)"
         )
 
 
-def check_data_files(folder: Path, metadata: Metadata) -> None:
+def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] | None = None) -> None:
     """Every data file the index names exists and holds the byte ranges the index gives it: checked from
-    file sizes alone, before any data is read."""
+    file sizes alone, before any data is read. ``written``: each file's size as the save recorded it, named
+    when a file is too short (it may be another save's rather than truncated)."""
     needed: dict[str, tuple[int, str]] = {}
     for index, info in (metadata.storage_data or {}).items():
         end = info.offset + info.length
@@ -188,7 +192,109 @@ def check_data_files(folder: Path, metadata: Metadata) -> None:
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} is damaged: {name!r} has {size} bytes, but the index places data up to"
                 f" byte {end} there (entry {entry!r}): the file was truncated"
+                + (
+                    f", or it does not belong to this checkpoint's save, which wrote {written[name]} bytes"
+                    if written and name in written
+                    else ""
+                )
             )
+
+
+def data_files_of(folder: Path, metadata: Metadata, only: set[str] | None = None) -> dict[str, dict[str, int]]:
+    """Each data file the index names: ``{"bytes": its size, "records_crc32": a digest of its records' CRC-32s}``.
+
+    The digest is read from the directories of the file's archives (one per item: a few KiB at the end of each,
+    no pass over the data, see ``integrity.records_digest``). A save records it for every file, and a load
+    compares (:func:`check_data_files_belong`): a file from another save, or another rank's file, has other
+    CRCs unless it holds the same bytes. Items torch stored transformed (compressed: never by fabric) carry
+    no archive and are left out. ``only``: just these files.
+    """
+    archives: dict[str, list[tuple[int, int]]] = {}
+    for info in (metadata.storage_data or {}).values():
+        if only is not None and info.relative_path not in only:
+            continue
+        spans = archives.setdefault(info.relative_path, [])
+        if not getattr(info, "transform_descriptors", None):
+            spans.append((info.offset, info.length))
+    found = {}
+    for name, spans in sorted(archives.items()):
+        path = Path(folder) / name
+        with open(path, "rb", buffering=0) as file:
+            size = os.fstat(file.fileno()).st_size
+            found[name] = {"bytes": size, "records_crc32": records_digest(file.fileno(), sorted(spans), repr(str(path)))}
+    return found
+
+
+def check_data_files_belong(
+    folder: Path, metadata: Metadata, save_id: str | None, recorded: Any, share: tuple[int, int] | None = None
+) -> None:
+    """Every data file the index names exists (``check_data_files``) and is the one the save recorded in the
+    objects file: same name, size and records' CRC-32s (``data_files_of``), checked before anything is read;
+    one that differs is named. Sizes are compared before the digests.
+
+    A folder saved before fabric recorded its data files (``recorded`` is None) is loaded with only the
+    index's checks, and said so once per process. ``share``: ``(rank, world_size)`` when the ranks agree on
+    the outcome afterwards: each rank then reads the digests of every ``world_size``-th file only, so a
+    job's ranks read each directory once between them rather than once each.
+    """
+    if recorded is None:
+        say_once_unbound(folder)
+        check_data_files(folder, metadata)
+        return
+    if not isinstance(recorded, dict) or not all(isinstance(entry, dict) for entry in recorded.values()):
+        raise CheckpointLoadError(f"Checkpoint {str(folder)!r} is damaged: {OBJECTS_FILE!r} holds no valid list of data files")
+    this_save = f"the save that wrote {OBJECTS_FILE!r} and {METADATA_FILE!r} (save {save_id})"
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    for name in sorted(set(recorded) - named):
+        if not (Path(folder) / name).is_file():
+            raise CheckpointLoadError(
+                f"Checkpoint {str(folder)!r} is incomplete: its data file {name!r}, written by {this_save}, is missing"
+            )
+    unlisted = sorted(named - set(recorded))
+    if unlisted:
+        raise CheckpointLoadError(
+            f"Checkpoint {str(folder)!r} mixes files of different saves: {unlisted[0]!r} is named by its index but was"
+            f" not written by {this_save}"
+        )
+    written = {name: entry.get("bytes") for name, entry in recorded.items()}
+    check_data_files(folder, metadata, written)  # missing, unreadable or too short for the index
+    for name in sorted(named):  # sizes before digests: cheap, and the clearest reason
+        size = (Path(folder) / name).stat().st_size
+        if size != written[name]:
+            raise CheckpointLoadError(
+                f"Checkpoint {str(folder)!r} mixes files of different saves: its data file {name!r} does not belong to"
+                f" {this_save}: it has {size} bytes, that save wrote {written[name]}"
+            )
+    if share is not None:
+        rank, world_size = share
+        named = set(sorted(named)[rank::world_size])
+    try:
+        actual = data_files_of(folder, metadata, only=named)
+    except CorruptCheckpointError as err:  # an archive's directory that cannot be read: named as damage
+        raise CheckpointLoadError(f"Checkpoint {str(folder)!r}: {err}") from None
+    foreign = sorted(name for name in named if actual[name]["records_crc32"] != recorded[name].get("records_crc32"))
+    if foreign:
+        raise CheckpointLoadError(
+            f"Checkpoint {str(folder)!r} mixes files of different saves: its data file {foreign[0]!r}"
+            + (f" (and {', '.join(map(repr, foreign[1:]))})" if len(foreign) > 1 else "")
+            + f" does not belong to {this_save}: the checksums of its records differ from those that save recorded"
+            " (a file from an older or another save, or another rank's file copied or swapped in)"
+        )
+
+
+_told_unbound = False
+
+
+def say_once_unbound(folder: str | os.PathLike) -> None:
+    """Warn, once per process, that a folder saved before data files were recorded cannot be checked for mixing."""
+    global _told_unbound
+    if not _told_unbound:
+        _told_unbound = True
+        warnings.warn(
+            f"Checkpoint {str(folder)!r} was saved before fabric recorded which data files belong to a save: a shard"
+            " file from another save cannot be detected in it (said once per process)",
+            stacklevel=3,
+        )
 
 
 def read_index(folder: Any, load_id: str | None = None) -> Metadata:

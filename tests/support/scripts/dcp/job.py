@@ -4,6 +4,8 @@
 sharded (``OUT/sharded``), full (``OUT/full.pt``), in Lightning Fabric's sharded layout
 (``OUT/lightning-layout``) and, for comparison, as one process sees the whole state
 (``OUT/reference-rank{R}.pt``).
+``job.py OUT save_two``: the same training, saved sharded after step 3 (``OUT/gen-a``) and again after
+step 4 (``OUT/gen-b``): two saves of one model whose files have the same names and sizes.
 ``job.py OUT load SOURCE``: load SOURCE (folder or file) into a freshly built sharded model and
 optimizer, and write what the loaded objects hold, gathered (``OUT/loaded-{NAME}-rank{R}.pt``).
 ``job.py OUT load_damaged SOURCE``: try to load a damaged SOURCE into a trained sharded model and write
@@ -93,6 +95,15 @@ def main() -> None:
         save_full(out / "full.pt", state)
         torch.save(gathered(model, optimizer), out / f"reference-rank{rank}.pt")
         save_in_lightning_layout(out / "lightning-layout", model, optimizer, {"step": 3, "note": state["note"]})
+    elif mode == "save_two":
+        model, optimizer = build(seed=1)
+        torch.manual_seed(100 + rank)
+        for step in range(1, 5):
+            model(torch.randn(5, 6)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step in (3, 4):
+                save_sharded(out / ("gen-a" if step == 3 else "gen-b"), {"model": model, "optimizer": optimizer, "step": step})
     elif mode == "load":
         source = Path(sys.argv[3])
         model, optimizer = build(seed=2)
