@@ -108,12 +108,7 @@ def follow_supervisor(rank: int, supervisor_pid: int, expected_ppid: int | None 
 
 def report_raise(status_fd: int | None) -> None:
     """Tell the supervisor, through the status pipe, that this rank raised and when."""
-    if status_fd is None:
-        return
-    try:
-        os.write(status_fd, f"E{time.monotonic():.6f}\n".encode())
-    except OSError:
-        pass
+    _report(status_fd, f"E{time.monotonic():.6f}")
 
 
 def report_exit(status_fd: int | None, status: int | None) -> None:
@@ -122,10 +117,15 @@ def report_exit(status_fd: int | None, status: int | None) -> None:
     Sent before the interpreter's shutdown leaves the process group: the peers' "connection closed"
     errors that follow must not be taken for the cause.
     """
+    _report(status_fd, f"X{'?' if status is None else status} {time.monotonic():.6f}")
+
+
+def _report(status_fd: int | None, line: str) -> None:
+    """One line on the status pipe (nothing without one; a supervisor already gone is no error)."""
     if status_fd is None:
         return
     try:
-        os.write(status_fd, f"X{'?' if status is None else status} {time.monotonic():.6f}\n".encode())
+        os.write(status_fd, f"{line}\n".encode())
     except OSError:
         pass
 
