@@ -173,7 +173,7 @@ def test_fabric_fsdp_async_save_then_exact_resume_of_model_optimizer_and_loader(
             assert torch.equal(result["resumed"][name], value), (rank, name)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_resumed_jobs_checked_load_needs_no_more_peak_memory_than_torchs_in_place_recipe(tmp_path):
     """A fresh optimizer's state is read straight into the placeholder torch's API makes for it (a refused
     load empties it again), so only the model is staged: the peak stays that of torch's own recipe, whose
@@ -181,13 +181,17 @@ def test_a_resumed_jobs_checked_load_needs_no_more_peak_memory_than_torchs_in_pl
     model size."""
     script = script_path("dcp", "peak_memory.py")
     subprocess.run([sys.executable, str(script), str(tmp_path), "save"], env=clean_env(), check=True, timeout=120)
-    growth = {}
-    for mode in ("ours", "raw"):
-        result = subprocess.run(
-            [sys.executable, str(script), str(tmp_path), mode], env=clean_env(), capture_output=True, text=True, timeout=120
-        )
-        assert result.returncode == 0, result.stderr
-        growth[mode] = int(result.stdout.split()[-1])
+    # one process's peak moves between runs in steps of ~16 MB, by up to 50 MB, for torch's recipe as for ours
+    # (the allocator's arenas): the least of three runs of each, alternating, is what each load needs
+    runs: dict[str, list[int]] = {"ours": [], "raw": []}
+    for _ in range(3):
+        for mode in runs:
+            result = subprocess.run(
+                [sys.executable, str(script), str(tmp_path), mode], env=clean_env(), capture_output=True, text=True, timeout=120
+            )
+            assert result.returncode == 0, result.stderr
+            runs[mode].append(int(result.stdout.split()[-1]))
+    growth = {mode: min(values) for mode, values in runs.items()}
     model_bytes = load_script("dcp", "peak_memory").MODEL_BYTES
     assert growth["raw"] > 2 * model_bytes, growth  # torch's own initialisation of the Adam state is counted
     assert growth["ours"] < growth["raw"] + model_bytes // 2, growth
