@@ -22,7 +22,7 @@ from torch import nn
 
 from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
 from fabric.consolidate import main as consolidate_main
-from fabric.plugins.io import safe_reader
+from fabric.plugins.io import integrity, safe_reader
 from fabric.plugins.io.publish import INDEX_FILE, OBJECTS_FILE, SPARE_PREFIX, atomic_save
 from fabric.plugins.io.single_file import CheckpointLoadError
 from support.dcp_jobs import run_job
@@ -163,7 +163,7 @@ def test_a_folder_saved_before_the_binding_loads_and_says_so_once(two_saves, tmp
     objects = torch.load(folder / OBJECTS_FILE, weights_only=True)
     del objects["save_id"], objects["data_files"]
     atomic_save(objects, folder / OBJECTS_FILE)
-    monkeypatch.setattr(safe_reader, "_told_unbound", False)
+    monkeypatch.setattr(integrity, "_said", set())
     with pytest.warns(UserWarning, match="cannot be detected"):
         assert load_sharded(folder)["step"] == 2
     with warnings.catch_warnings():

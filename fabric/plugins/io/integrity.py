@@ -404,19 +404,23 @@ def records_digest(fd: int, archives: list[tuple[int, int]], where: str) -> int:
     return digest
 
 
-_told_unchecked = False
+_said: set[str] = set()  # the keys warn_once has warned about in this process
+
+
+def warn_once(key: str, message: str) -> None:
+    """Warn with ``message`` the first time ``key`` comes up in this process (at the caller's caller)."""
+    if key not in _said:
+        _said.add(key)
+        warnings.warn(message, stacklevel=4)
 
 
 def say_once_nothing_to_check(path: str | os.PathLike) -> None:
     """Warn, once per process, that a legacy-format file carries no checksums."""
-    global _told_unchecked
-    if not _told_unchecked:
-        _told_unchecked = True
-        warnings.warn(
-            f"{str(path)!r} is in torch's legacy (non-zip) format, which stores no checksums: its bytes cannot be"
-            " checked for damage (said once per process)",
-            stacklevel=3,
-        )
+    warn_once(
+        "legacy format",
+        f"{str(path)!r} is in torch's legacy (non-zip) format, which stores no checksums: its bytes cannot be"
+        " checked for damage (said once per process)",
+    )
 
 
 def _file_reader(fd: int, start: int) -> Callable[[int, int], bytes]:

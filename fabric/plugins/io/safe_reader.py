@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
-from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, CorruptCheckpointError, crc32, load_checked, records_digest
+from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, CorruptCheckpointError, crc32, load_checked, records_digest, warn_once
 from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
 from fabric.plugins.io.publish import OBJECTS_FILE
 from fabric.plugins.io.single_file import CheckpointLoadError
@@ -282,19 +282,13 @@ def check_data_files_belong(
         )
 
 
-_told_unbound = False
-
-
 def say_once_unbound(folder: str | os.PathLike) -> None:
     """Warn, once per process, that a folder saved before data files were recorded cannot be checked for mixing."""
-    global _told_unbound
-    if not _told_unbound:
-        _told_unbound = True
-        warnings.warn(
-            f"Checkpoint {str(folder)!r} was saved before fabric recorded which data files belong to a save: a shard"
-            " file from another save cannot be detected in it (said once per process)",
-            stacklevel=3,
-        )
+    warn_once(
+        "unbound folder",
+        f"Checkpoint {str(folder)!r} was saved before fabric recorded which data files belong to a save: a shard"
+        " file from another save cannot be detected in it (said once per process)",
+    )
 
 
 def read_index(folder: Any, load_id: str | None = None) -> Metadata:
