@@ -136,40 +136,32 @@ def fsdp(device: str, out: Path) -> dict[str, Any]:
     }
 
 
-def fsdp_offload(device: str, out: Path) -> dict[str, Any]:
-    fabric = new_fabric(device, FSDPStrategy(cpu_offload=True))
+def train_save_reload(fabric: Fabric, name: str, out: Path) -> dict[str, Any]:
+    """Train a sharded model, save it as ``out/name``, load it into a fresh one: what each run agrees on."""
     model, optimizer = set_up_sharded(fabric)
     train(fabric, model, optimizer)
     expected, _ = reference_run(STEPS, None, lr=LR)
     trained = on_cpu(full_parameters(model.module))
-    fabric.save(out / "offload", {"model": model, "optimizer": optimizer})
+    fabric.save(out / name, {"model": model, "optimizer": optimizer})
     fresh, fresh_optimizer = set_up_sharded(fabric, seed=5)
-    fabric.load(out / "offload", {"model": fresh, "optimizer": fresh_optimizer})
+    fabric.load(out / name, {"model": fresh, "optimizer": fresh_optimizer})
     return {
         "backend": fabric.strategy.process_group_backend,
         "local_devices": sorted({local_device(p) for p in model.module.parameters()}),
         "max_diff": max_difference(trained, expected),
         "loaded_diff": max_difference(on_cpu(full_parameters(fresh.module)), trained),
     }
+
+
+def fsdp_offload(device: str, out: Path) -> dict[str, Any]:
+    return train_save_reload(new_fabric(device, FSDPStrategy(cpu_offload=True)), "offload", out)
 
 
 def tp(device: str, out: Path) -> dict[str, Any]:
     fabric = new_fabric(device, ModelParallelStrategy(parallelize))
-    model, optimizer = set_up_sharded(fabric)
-    train(fabric, model, optimizer)
-    expected, _ = reference_run(STEPS, None, lr=LR)
-    trained = on_cpu(full_parameters(model.module))
-    fabric.save(out / "tp", {"model": model, "optimizer": optimizer})
-    fresh, fresh_optimizer = set_up_sharded(fabric, seed=5)
-    fabric.load(out / "tp", {"model": fresh, "optimizer": fresh_optimizer})
+    result = train_save_reload(fabric, "tp", out)
     mesh = fabric.strategy.device_mesh
-    return {
-        "backend": fabric.strategy.process_group_backend,
-        "mesh": [mesh.device_type, list(mesh.mesh_dim_names or ()), list(mesh.shape)],
-        "local_devices": sorted({local_device(p) for p in model.module.parameters()}),
-        "max_diff": max_difference(trained, expected),
-        "loaded_diff": max_difference(on_cpu(full_parameters(fresh.module)), trained),
-    }
+    return {**result, "mesh": [mesh.device_type, list(mesh.mesh_dim_names or ()), list(mesh.shape)]}
 
 
 def dcp_save(device: str, out: Path) -> dict[str, Any]:
