@@ -19,6 +19,7 @@ from support.processes import run
 
 _SCRIPT = """\
 import json, sys
+from pathlib import Path
 import torch
 import torch.distributed as dist
 from fabric import Fabric
@@ -27,9 +28,11 @@ fabric = Fabric()  # options from the CLI only
 # straight after construction, as under Lightning's CLI: the process group exists
 value = torch.tensor([float(fabric.global_rank + 1)])
 dist.all_reduce(value)
-print("REPORT " + json.dumps({"rank": fabric.global_rank, "world": fabric.world_size, "sum": value.item(),
-      "initialized": dist.is_initialized(), "precision": fabric.strategy.precision.precision,
-      "accelerator": type(fabric.accelerator).__name__}), flush=True)
+# one file per rank: the ranks share torchrun's stdout, where their lines can interleave
+report = {"rank": fabric.global_rank, "world": fabric.world_size, "sum": value.item(),
+          "initialized": dist.is_initialized(), "precision": fabric.strategy.precision.precision,
+          "accelerator": type(fabric.accelerator).__name__}
+(Path(__file__).parent / f"report-{fabric.global_rank}.json").write_text(json.dumps(report))
 """
 
 
@@ -47,8 +50,7 @@ def test_fabric_joins_the_group_at_construction_under_lightnings_cli(tmp_path: P
     script.write_text(_SCRIPT)
     result = _lightning_cli_run(script, {"accelerator": "cpu", "devices": "2", "num_nodes": "1", "precision": "bf16-mixed"})
     assert result.returncode == 0, result.stdout + result.stderr
-    reports = sorted((json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines() if line.startswith("REPORT ")),
-                     key=lambda report: report["rank"])
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("report-*.json"))]
     assert [report["rank"] for report in reports] == [0, 1]
     for report in reports:
         assert report["world"] == 2 and report["initialized"] and report["sum"] == 3.0
