@@ -33,7 +33,7 @@ from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
-from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned
+from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned, remove_abandoned_once
 from fabric.plugins.io.single_file import CheckpointLoadError
 from fabric.plugins.io.storage import is_url
 
@@ -93,6 +93,7 @@ def save(
     write's outcome comes with the next save or load); a failure is raised on every rank.
     """
     check_path(path, "save")
+    remove_abandoned_once(path)  # the start of a job: what killed saves in this folder left, where the writer is gone
     # the gather's tensors go to this rank's device: NCCL collectives take no CPU tensors
     state = gather_per_rank_states(state, lambda tensor: host.all_gather(tensor.to(host.root_device)), host.world_size, filter)
     checkpoint_format = host.checkpoint_format
@@ -161,7 +162,7 @@ def _load(
 ) -> dict[str, Any]:
     wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
     check_loadable(path)  # before anything opens it: a FIFO would block forever
-    remove_abandoned(path)  # what killed saves of this checkpoint left behind, where the writer is gone
+    remove_abandoned(path)  # what killed saves in this checkpoint's folder left, where the writer is gone
     if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
         from fabric.checkpoint.sharded_folder import load_sharded
 

@@ -114,3 +114,63 @@ def test_an_aside_copy_that_is_the_previous_checkpoint_is_kept(tmp_path: Path) -
     (aside / publish.WRITER_FILE).write_text(f"{socket.gethostname()} {dead.pid}")
     Fabric(accelerator="cpu", devices=1).load(folder, {"model": nn.Linear(4, 4)})
     assert aside.is_dir()
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    return dead.pid
+
+
+def _leftovers_of_other_checkpoints(tmp_path: Path) -> dict[str, bool]:
+    """Leftover folders of checkpoints named by step (a killed job's); whether each should go."""
+    host, gone = socket.gethostname(), _dead_pid()
+    save_sharded(tmp_path / "step-1", {"model": nn.Linear(4, 4)})
+    leftovers = {
+        f"{publish.TEMP_FOLDER_PREFIX}step-2.aaaaaaaaaaaa": f"{host} {gone}",  # killed mid-write: goes
+        f"{publish.TEMP_FOLDER_PREFIX}step-2.v1.bbbbbbbbbbbb": f"{host} {os.getpid()}",  # a save in progress: stays
+        f"{publish.ASIDE_PREFIX}step-1.cccccccccccc": f"{host} {gone}",  # step-1 exists: goes
+        f"{publish.ASIDE_PREFIX}step-0.dddddddddddd": f"{host} {gone}",  # step-0 missing: it is step-0, stays
+        f"{publish.TEMP_FOLDER_PREFIX}step-3.eeeeeeeeeeee": f"other-{host} {gone}",  # another machine's: stays
+    }
+    for name, record in leftovers.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / publish.WRITER_FILE).write_text(record)
+    return {name: record.startswith(host) and record.endswith(f" {gone}") and "step-0" not in name
+            for name, record in leftovers.items()}
+
+
+def test_a_load_removes_what_killed_saves_of_other_checkpoints_left_in_its_folder(tmp_path: Path) -> None:
+    goes = _leftovers_of_other_checkpoints(tmp_path)
+    save_sharded(tmp_path / "step-9", {"model": nn.Linear(4, 4)})
+    Fabric(accelerator="cpu", devices=1).load(tmp_path / "step-9", {"model": nn.Linear(4, 4)})
+    for name, removed in goes.items():
+        assert (tmp_path / name).exists() is not removed, name
+    assert (tmp_path / "step-1").is_dir()
+
+
+def test_the_first_save_of_a_job_in_a_folder_removes_what_killed_saves_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that names checkpoints by step never saves or loads the killed one's name again."""
+    monkeypatch.setattr(publish, "_swept", set())  # a new process
+    goes = _leftovers_of_other_checkpoints(tmp_path)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric.save(tmp_path / "step-10.pt", {"step": 10})
+    for name, removed in goes.items():
+        assert (tmp_path / name).exists() is not removed, name
+    # only once per process and folder: a later leftover waits for the next job (or a load)
+    late = tmp_path / f"{publish.TEMP_FOLDER_PREFIX}step-4.ffffffffffff"
+    late.mkdir()
+    (late / publish.WRITER_FILE).write_text(f"{socket.gethostname()} {_dead_pid()}")
+    fabric.save(tmp_path / "step-11.pt", {"step": 11})
+    assert late.is_dir()
+
+
+@pytest.mark.timeout(180)
+def test_a_new_job_saving_under_another_name_removes_a_killed_saves_folder(tmp_path: Path) -> None:
+    """Real processes: a writer SIGKILLed mid-save of ``ckpt``; a new job that only saves ``other.pt`` there."""
+    stale = _kill_mid_save(tmp_path / "ckpt")
+    job = "import sys; from fabric import Fabric; Fabric(accelerator='cpu', devices=1).save(sys.argv[1], {'step': 1})"
+    subprocess.run([sys.executable, "-c", job, str(tmp_path / "other.pt")], env=clean_env(OMP_NUM_THREADS="1"),
+                   check=True, timeout=120)
+    assert not stale.exists()
+    assert (tmp_path / "other.pt").is_file()

@@ -406,24 +406,57 @@ def unmark_writer(folder: Path) -> None:
 
 
 def remove_abandoned(path: str | Path) -> list[Path]:
-    """Remove what killed saves of ``path`` left: temporary folders, and aside copies once ``path`` exists,
-    whose writer (named in the folder) ran on this host and is gone; leave every other (a save in progress,
-    another host's, an aside that is the previous checkpoint). Also the single-file temporary files of dead
-    writers. Never raises; returns what it removed."""
+    """Remove what killed saves left beside ``path``, for every checkpoint in its folder (a job that names its
+    checkpoints by step never saves or loads the killed one's name again): temporary folders, and aside
+    copies whose checkpoint exists, whose writer (named in the folder) ran on this host and is gone. Every
+    other is left (a save in progress, another host's, one without a record, an aside that is the previous
+    checkpoint). Also the single-file temporary files of ``path``'s dead writers (those of other names are
+    left: their names carry a pid but no host). Never raises; returns what it removed."""
+    if is_url(path):
+        return []
     path = Path(path)
+    folder = path.parent
     removed: list[Path] = []
     try:
-        candidates = _siblings(path, TEMP_FOLDER_PREFIX)
-        if _exists(path):
-            candidates += _siblings(path, ASIDE_PREFIX)
-        _remove_stale_temp_files(path.parent, path.name)
+        entries = list(folder.iterdir()) if folder.is_dir() else []
+        _remove_stale_temp_files(folder, path.name)
     except OSError:
         return removed
-    for folder in candidates:
-        if _writer_gone(folder):
-            remove_quietly(folder)
-            removed.append(folder)
+    for entry in entries:
+        owner = _leftover_of(entry.name)
+        if owner is None:
+            continue
+        prefix, name = owner
+        if prefix == ASIDE_PREFIX and not _exists(folder / name):
+            continue  # the previous checkpoint of a commit cut between its renames: the next save puts it back
+        if _writer_gone(entry):
+            remove_quietly(entry)
+            removed.append(entry)
     return removed
+
+
+_swept: set[Path] = set()
+
+
+def remove_abandoned_once(path: str | Path) -> None:
+    """:func:`remove_abandoned` for the folder of ``path``, the first time this process saves there (the start
+    of a job, for the folders it writes to); a load always does it."""
+    if is_url(path):
+        return
+    folder = Path(os.path.abspath(Path(path).parent))
+    if folder not in _swept:
+        _swept.add(folder)
+        remove_abandoned(path)
+
+
+def _leftover_of(entry_name: str) -> tuple[str, str] | None:
+    """(prefix, checkpoint name) of a save's temporary or aside folder's name; None for anything else."""
+    for prefix in (TEMP_FOLDER_PREFIX, ASIDE_PREFIX):
+        if entry_name.startswith(prefix):
+            name, _, token = entry_name[len(prefix) :].rpartition(".")
+            if name and _is_token(token):
+                return prefix, name
+    return None
 
 
 def _writer_gone(folder: Path) -> bool:
