@@ -196,6 +196,23 @@ def test_meta_layers_materialize_and_load(mode):
     assert _is_quantized(assigned[0], mode)
 
 
+@pytest.mark.parametrize("mode", FOUR_BIT)
+def test_on_the_cpu_evaluating_then_training_and_narrow_layers_work(mode):
+    # bitsandbytes' own AVX512-BF16 inference layout (taken at an eval forward) breaks both; the plugin's layers avoid it
+    _bnb()
+    plugin = BitsandbytesPrecision(mode, torch.bfloat16)
+    model = plugin.convert_module(nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))).to("cpu")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    model.eval()
+    with torch.no_grad():
+        assert model(x).shape == (2, 8)  # the second layer has 32 inputs, fewer than a block of 64
+    model.train()
+    model.requires_grad_(False)
+    out = model(x.requires_grad_())
+    out.float().sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+
+
 # ---- with bitsandbytes and a GPU -----------------------------------------------------------------------
 
 

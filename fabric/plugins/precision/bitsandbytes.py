@@ -256,6 +256,10 @@ def layer_classes(bnb: ModuleType) -> dict[str, type]:
             super().__init__(
                 in_features, out_features, bias=bias, compress_statistics=self._fabric_double_quant, quant_type=self._fabric_quant_type, device=device
             )
+            # bitsandbytes 0.50 repacks the weight for AVX512-BF16 CPUs at the first forward in eval mode, and that layout
+            # breaks a later training forward (an in-place add on a result that needs grad) and any layer with fewer
+            # than 64 inputs; the general CPU path is slower for inference but right in both
+            self.support_avx512bf16_for_cpu = False
             self._fabric_setup(dtype)
 
         def is_quantized(self) -> bool:
