@@ -10,7 +10,7 @@ STAMP := $(VENV)/.fabric-installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,test-storage,examples,tensorboard,mpi]"
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,test-storage,examples,tensorboard,mpi,bitsandbytes]"
 	touch $(STAMP)
 
 venv: $(STAMP)

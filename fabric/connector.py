@@ -56,6 +56,8 @@ class Connector:
         if precision_plugin is None:
             self.precision = _precision_on_device(self.precision, device_type)
             precision_plugin = precision_for(self.precision, device_type)
+        else:
+            precision_plugin.validate_device(device_type)
         self.strategy = self._build_strategy(strategy, precision_plugin, checkpoint_io)
 
     def _build_strategy(self, strategy: Any, precision: Precision, checkpoint_io: CheckpointIO | None) -> Strategy:

@@ -45,6 +45,7 @@ CUDA_TESTS = (
     "tests/utilities/test_throughput.py",
     "tests/test_dropin.py",
     "tests/plugins/test_precision.py",
+    "tests/plugins/test_bitsandbytes.py",
     "tests/plugins/io/test_device_load.py",
 )
 CPU_LOGIC_TESTS = ("tests/gpu/test_cpu_jobs.py",)

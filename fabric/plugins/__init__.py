@@ -15,8 +15,10 @@ if TYPE_CHECKING:
     from fabric.plugins.environments import ClusterEnvironment
     from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
     from fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+    from fabric.plugins.precision.bitsandbytes import BitsandbytesPrecision
 
 _MODULES = {
+    "BitsandbytesPrecision": "fabric.plugins.precision.bitsandbytes",
     "CheckpointIO": "fabric.plugins.io",
     "ClusterEnvironment": "fabric.plugins.environments",
     "DoublePrecision": "fabric.plugins.precision",
@@ -27,6 +29,7 @@ _MODULES = {
 }
 
 __all__ = [
+    "BitsandbytesPrecision",
     "CheckpointIO",
     "ClusterEnvironment",
     "DoublePrecision",

@@ -16,6 +16,7 @@ from fabric.utilities.seed import seed_everything
 from fabric.utilities.warnings import disable_possible_user_warnings
 
 _LAZY = {
+    "LightningEnum": "fabric.utilities.enums",
     "AttributeDict": "fabric.utilities.data",
     "suggested_max_num_workers": "fabric.utilities.data",
     "is_shared_filesystem": "fabric.utilities.distributed",

@@ -2,17 +2,21 @@
 
 One class per family, each small: ``Precision`` (true precision of the default dtype, the fast path:
 no casting at all), ``DoublePrecision`` / ``HalfPrecision`` (parameters and inputs in one dtype),
-``MixedPrecision`` (autocast, with a gradient scaler for float16 on CUDA).
+``MixedPrecision`` (autocast, with a gradient scaler for float16 on CUDA), and in ``bitsandbytes.py``
+``BitsandbytesPrecision`` (quantized Linear layers; bitsandbytes is imported only when one is made).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+
+from fabric._core.lazy import submodule
 
 # re-exported: the names live in the torch-free core, where `fabric run` reads them too
 from fabric._core.names import PRECISION_ALIASES as PRECISION_ALIASES
@@ -52,6 +56,9 @@ class Precision:
     """Full precision in torch's default dtype (``"32-true"``): every hook is a no-op, so it costs nothing."""
 
     precision: str = "32-true"
+
+    def validate_device(self, device_type: str) -> None:
+        """Raise if this precision cannot run on ``device_type`` ("cpu", "cuda", "mps"); the connector asks once."""
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -234,3 +241,10 @@ def precision_for(precision: str, device_type: str) -> Precision:
     if precision in ("16-true", "bf16-true"):
         return HalfPrecision(precision)
     return MixedPrecision(precision, device_type)
+
+
+def __getattr__(name: str) -> Any:
+    # Lightning's path for it; resolved by name, as fabric.plugins does: its module imports this one
+    if name == "BitsandbytesPrecision":
+        return importlib.import_module("fabric.plugins.precision.bitsandbytes").BitsandbytesPrecision
+    return submodule(__name__, name)
