@@ -20,6 +20,9 @@ for _path in (str(TESTS), str(REPO_ROOT)):
 from support import device_guard  # noqa: E402
 from support.environment import clean_env  # noqa: E402
 
+# fixtures of a real S3-compatible server on 127.0.0.1 (moto_s3, s3_bucket): support/s3.py
+pytest_plugins = ["support.s3"]
+
 # NCCL's rule on every collective, in this process and in every Python process a test starts (see device_guard)
 os.environ.setdefault(device_guard.DEVICE_VARIABLE, "cpu")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [device_guard.SITE_FOLDER, os.environ.get("PYTHONPATH")]))

@@ -1,8 +1,14 @@
-"""Metrics to a CSV file (``metrics.csv``) and hyperparameters to ``hparams.json``: no dependencies."""
+"""Metrics to a CSV file (``metrics.csv``) and hyperparameters to ``hparams.json``: no dependencies.
+
+The folder may be on a store (a URL ``root_dir``, through fsspec). An object cannot be appended to, so there each
+save rewrites the whole ``metrics.csv`` object with one PUT: the logger keeps the file's text (read once, when a
+run continues an existing file), so a save reads nothing back.
+"""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from argparse import Namespace
@@ -13,11 +19,14 @@ from fabric.loggers.logger import (
     DEFAULT_NAME,
     FolderLogger,
     add_prefix,
+    list_folder,
     params_to_dict,
     rank_zero_experiment,
     rank_zero_only,
+    read_text,
     register_close_at_exit,
     to_number,
+    write_text,
 )
 
 __all__ = ["CSVLogger"]
@@ -40,6 +49,9 @@ class CSVLogger(FolderLogger):
 
     Columns are ``step`` and then every metric name in the order first seen; when a new name appears the
     file is rewritten with the wider header (earlier rows get empty cells). Only global rank 0 writes.
+
+    ``root_dir`` may be a URL (``s3://bucket/logs``, any fsspec URL): the files are objects on that store,
+    each save rewriting the whole ``metrics.csv`` object (a store cannot append).
     """
 
     def __init__(
@@ -57,6 +69,7 @@ class CSVLogger(FolderLogger):
         self._flush_every = flush_logs_every_n_steps
         self._rows: list[dict[str, Any]] = []  # not yet written
         self._columns: list[str] | None = None  # the header of the file on disk (None: not read yet)
+        self._text: str | None = None  # on a store: the whole metrics.csv as last written (None: not read yet)
         self._logged_rows = 0
         self._hparams: dict[str, Any] = {}
         self._checked_folder = False
@@ -111,34 +124,55 @@ class CSVLogger(FolderLogger):
         """Merge ``params`` into ``hparams.json`` (written at once; values JSON cannot hold become strings)."""
         self._hparams.update(params_to_dict(params))
         self._warn_if_folder_has_files()
-        os.makedirs(self.log_dir, exist_ok=True)
-        path = os.path.join(self.log_dir, HPARAMS_FILE)
-        _write_atomically(path, json.dumps(_jsonable(self._hparams), indent=2, sort_keys=True) + "\n")
+        write_text(os.path.join(self.log_dir, HPARAMS_FILE), json.dumps(_jsonable(self._hparams), indent=2, sort_keys=True) + "\n")
 
     @rank_zero_only
     def save(self) -> None:
-        """Write the buffered rows: appended, or the whole file rewritten when new columns appeared."""
+        """Write the buffered rows: appended, or the whole file rewritten when new columns appeared (on a store:
+        always the whole object)."""
         if not self._rows:
             return
         self._warn_if_folder_has_files()
+        if self.is_remote:
+            self._save_to_store()
+            return
         os.makedirs(self.log_dir, exist_ok=True)
         path = self.metrics_file_path
         if self._columns is None:
             self._columns = _read_header(path)
-        columns = list(self._columns)
-        for row in self._rows:
-            columns.extend(key for key in row if key not in columns)
-        if "step" in columns:
-            columns.remove("step")
-        columns.insert(0, "step")
+        columns = self._widened(self._columns)
         if columns == self._columns and os.path.exists(path):
             with open(path, "a", newline="", encoding="utf-8") as handle:
                 csv.DictWriter(handle, fieldnames=columns).writerows(self._rows)
         else:
             old_rows = _read_rows(path)
-            _write_csv_atomically(path, columns, [*old_rows, *self._rows])
+            write_text(path, _csv_text(columns, [*old_rows, *self._rows]))
         self._columns = columns
         self._rows = []
+
+    def _save_to_store(self) -> None:
+        """One PUT of the whole object: its last text plus the new rows (every row again under a wider header)."""
+        if self._text is None:  # continuing a run's file: read once
+            self._text = read_text(self.metrics_file_path) or ""
+            self._columns = next(csv.reader(io.StringIO(self._text, newline="")), [])
+        assert self._columns is not None
+        columns = self._widened(self._columns)
+        if columns == self._columns and self._text:
+            text = self._text + _csv_text(columns, self._rows, header=False)
+        else:
+            text = _csv_text(columns, [*csv.DictReader(io.StringIO(self._text, newline="")), *self._rows])
+        write_text(self.metrics_file_path, text)  # raises before anything is forgotten: the rows stay buffered
+        self._text, self._columns, self._rows = text, columns, []
+
+    def _widened(self, columns: list[str]) -> list[str]:
+        """``columns`` with the buffered rows' new names appended, ``step`` first."""
+        columns = list(columns)
+        for row in self._rows:
+            columns.extend(key for key in row if key not in columns)
+        if "step" in columns:
+            columns.remove("step")
+        columns.insert(0, "step")
+        return columns
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
@@ -152,11 +186,12 @@ class CSVLogger(FolderLogger):
         if self._checked_folder:
             return
         self._checked_folder = True
-        if os.path.isdir(self.log_dir) and os.listdir(self.log_dir):
+        if list_folder(self.log_dir):
+            from fabric._core.urls import redact
             from fabric.utilities.rank_zero import rank_zero_warn
 
             rank_zero_warn(
-                f"The log folder {self.log_dir} exists and is not empty; its {METRICS_FILE} (if any) is continued."
+                f"The log folder {redact(self.log_dir)} exists and is not empty; its {METRICS_FILE} (if any) is continued."
                 " Pass another version (or none, for the next free one) to start a fresh run."
             )
 
@@ -177,21 +212,13 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
         return []
 
 
-def _write_csv_atomically(path: str, columns: list[str], rows: list[dict[str, Any]]) -> None:
-    """Readers (a plotting script, ``tail -f``) see the old file or the new one, never half of it."""
-    temp = f"{path}.tmp{os.getpid()}"
-    with open(temp, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
+def _csv_text(columns: list[str], rows: list[dict[str, Any]], header: bool = True) -> str:
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns)
+    if header:
         writer.writeheader()
-        writer.writerows(rows)
-    os.replace(temp, path)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    temp = f"{path}.tmp{os.getpid()}"
-    with open(temp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(temp, path)
+    writer.writerows(rows)
+    return text.getvalue()
 
 
 def _jsonable(value: Any) -> Any:

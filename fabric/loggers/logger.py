@@ -135,20 +135,26 @@ def rank_zero_experiment(experiment: Callable[[Any], Any]) -> Callable[[Any], An
 
 
 class FolderLogger(Logger):
-    """A logger writing under ``root_dir/name/version_N``: the folder layout both file loggers share."""
+    """A logger writing under ``root_dir/name/version_N``: the folder layout both file loggers share.
 
-    _writes_urls = False  # whether root_dir may be a URL (s3://...): the subclass writes through fsspec
+    ``root_dir`` may be a URL (``s3://bucket/logs``, ``memory://logs``, any fsspec URL): the folder is then on
+    that store (``is_remote``), versions are found by listing it, and the subclass writes through fsspec.
+    """
 
     def __init__(self, root_dir: str | os.PathLike, name: str, version: int | str | None) -> None:
-        from fabric.plugins.io.storage import is_url, local_or_url, redact
+        from fabric._core.urls import is_url, local_or_url
 
         # a URL is never a local folder: its store is checked here (unknown scheme, missing library)
         root_dir = local_or_url(os.fspath(root_dir))
-        if is_url(root_dir) and not self._writes_urls:
-            raise ValueError(f"{type(self).__name__} cannot write to a URL root_dir ({redact(str(root_dir))!r}) yet; use a local folder")
+        self._remote = is_url(root_dir)
         self._root_dir = os.fspath(root_dir)
         self._name = name or ""
         self._version = check_version(version)
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether ``root_dir`` is a URL (the logs go to a store through fsspec, not to a local folder)."""
+        return self._remote
 
     @property
     def name(self) -> str:
@@ -173,13 +179,55 @@ class FolderLogger(Logger):
         return f"{type(self).__name__}(root_dir={self._root_dir!r}, name={self._name!r}, version={self._version!r})"
 
 def next_version(experiment_dir: str) -> int:
-    """One more than the highest ``version_N`` folder in ``experiment_dir`` (0 when there is none)."""
-    try:
-        entries = os.listdir(experiment_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    found = [int(m.group(1)) for entry in entries if (m := _VERSION_DIR.fullmatch(entry))]
+    """One more than the highest ``version_N`` folder in ``experiment_dir`` (0 when there is none); a URL is listed
+    on its store."""
+    found = [int(m.group(1)) for entry in list_folder(experiment_dir) if (m := _VERSION_DIR.fullmatch(entry))]
     return max(found) + 1 if found else 0
+
+
+def list_folder(folder: str) -> list[str]:
+    """The names in ``folder``, a local path or a URL (listed on its store, never from a cached listing); [] when
+    there is no such folder."""
+    from fabric._core.urls import filesystem, is_url
+
+    try:
+        if not is_url(folder):
+            return os.listdir(folder)
+        fs, path = filesystem(folder)
+        fs.invalidate_cache(path)
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def write_text(path: str, text: str) -> None:
+    """Replace the file ``path`` (local, or an object on a store) by ``text`` as one step: a reader sees the old
+    file or the new one, never a part. Locally: a temp file renamed over it; on a store: one whole-object PUT."""
+    from fabric._core.urls import filesystem, is_url
+
+    if is_url(path):
+        fs, key = filesystem(path)
+        fs.pipe_file(key, text.encode("utf-8"))
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temp = f"{path}.tmp{os.getpid()}"
+    with open(temp, "w", newline="", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(temp, path)
+
+
+def read_text(path: str) -> str | None:
+    """The text of the file ``path`` (local or on a store), or None if there is none."""
+    from fabric._core.urls import filesystem, is_url
+
+    try:
+        if is_url(path):
+            fs, key = filesystem(path)
+            return bytes(fs.cat_file(key)).decode("utf-8")
+        with open(path, newline="", encoding="utf-8") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
 
 
 def version_folder(version: int | str) -> str:
