@@ -4,7 +4,8 @@ The main test runs a real 2-process DDP job (``support/scripts/resilience/resume
 uninterrupted, once stopped after 11 of 16 steps (mid-epoch 1), and once resumed from that
 checkpoint in new processes. The resumed run must end with parameters ``torch.equal`` to the
 uninterrupted run's, on every rank, having trained on exactly the remaining samples. The other tests
-check the pieces in one process.
+check the pieces in one process. Both also with the checkpoint in a bucket of a real S3 server
+(moto's, on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fabric import Fabric
 from fabric.checkpoint import PER_RANK_KEY, capture_random_state, restore_random_state
+from fabric.plugins.io import safe_load
 from support.environment import job_environment
 from support.loading import script_path
 
@@ -48,14 +50,21 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_ddp_run_stopped_mid_epoch_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_ddp_run_stopped_mid_epoch_resumes_bit_identically(tmp_path, where, request):
+    url = f"{request.getfixturevalue('s3_bucket')}/run/ckpt.pt" if where == "bucket" else None
+    located = ["--checkpoint", url] if url else []
     # the uninterrupted run and the run that stops after 11 steps are independent: run them together
-    full, stop = _start(tmp_path, "full"), _start(tmp_path, "stop", "--at", "11")
+    full, stop = _start(tmp_path, "full"), _start(tmp_path, "stop", "--at", "11", *located)
     _finish(full, "uninterrupted")
     _finish(stop, "interrupted")
-    _finish(_start(tmp_path, "resume"), "resumed")
+    _finish(_start(tmp_path, "resume", *located), "resumed")
 
-    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # plain data: loads safely
+    if url:
+        assert not (tmp_path / "ckpt.pt").exists()
+        checkpoint = safe_load(url)  # through its commit record, every object checked
+    else:
+        checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)  # plain data: loads safely
     loader_states = checkpoint["loader"][PER_RANK_KEY]
     assert len(loader_states) == 2
     assert [s["epoch"] for s in loader_states] == [1, 1] and [s["batches_consumed"] for s in loader_states] == [3, 3]
@@ -101,8 +110,11 @@ def _run(
     workers: int = 0,
     noise: bool = True,
     epochs: int = 3,
+    checkpoint: str | Path | None = None,
 ):
-    """Train a small model; stop (saving) after ``stop_at`` steps, or resume from that checkpoint."""
+    """Train a small model; stop (saving) after ``stop_at`` steps, or resume from that checkpoint
+    (``checkpoint``, by default ``tmp_path / "ckpt.pt"``)."""
+    checkpoint = checkpoint or tmp_path / "ckpt.pt"
     fabric = Fabric(accelerator="cpu", devices=1)
     fabric.seed_everything(5, verbose=False)
     model = nn.Sequential(nn.Linear(3, 16), nn.Dropout(0.5), nn.Linear(16, 1))
@@ -115,7 +127,7 @@ def _run(
     if with_loader:
         state["loader"] = loader
     if resume:
-        fabric.load(tmp_path / "ckpt.pt", state)
+        fabric.load(checkpoint, state)
     step, seen = state["step"], []
     for epoch in range(state["epoch"], epochs):
         for indices, x in loader:
@@ -127,7 +139,7 @@ def _run(
             seen.extend(indices.tolist())
             if step == stop_at:
                 state.update(step=step, epoch=epoch)
-                fabric.save(tmp_path / "ckpt.pt", state)
+                fabric.save(checkpoint, state)
                 return None, seen, data.loaded
     return [p.detach().clone() for p in model.parameters()], seen, data.loaded
 
@@ -140,6 +152,19 @@ def test_resume_at_any_step_is_exact_and_loads_only_the_remaining_samples(tmp_pa
     assert seen_before + seen_after == seen
     assert all(torch.equal(a, b) for a, b in zip(params, resumed))
     assert loaded == len(seen_after)  # the consumed batches were skipped, not loaded and thrown away
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop_at", [5, 13])
+def test_resume_from_a_bucket_is_exact(tmp_path, s3_bucket, stop_at):
+    url = f"{s3_bucket}/run/ckpt.pt"
+    params, seen, _ = _run(tmp_path)
+    _, seen_before, _ = _run(tmp_path, stop_at=stop_at, checkpoint=url)
+    resumed, seen_after, loaded = _run(tmp_path, resume=True, checkpoint=url)
+    assert not (tmp_path / "ckpt.pt").exists()
+    assert seen_before + seen_after == seen
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed))
+    assert loaded == len(seen_after)
 
 
 def test_without_the_loader_state_the_resumed_run_diverges(tmp_path):

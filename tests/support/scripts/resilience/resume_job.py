@@ -4,6 +4,9 @@
     python resume_job.py OUTDIR stop --at K     # train K steps, save OUTDIR/ckpt.pt, exit
     python resume_job.py OUTDIR resume          # new processes: load OUTDIR/ckpt.pt, finish the run
 
+``--checkpoint PATH_OR_URL`` saves and loads the checkpoint there instead of OUTDIR/ckpt.pt (a bucket:
+``s3://bucket/run/ckpt.pt``).
+
 Randomness everywhere a real loop has it: a shuffled distributed sampler, dropout, noise added to
 each sample by the dataset, and Python ``random`` / NumPy draws in the loop; each rank's generators
 are seeded differently. Each rank writes ``{mode}-rank{r}.pt``: its final parameters and the sample
@@ -46,14 +49,16 @@ def main() -> None:
     parser.add_argument("mode", choices=["full", "stop", "resume"])
     parser.add_argument("--at", type=int, default=11)
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--checkpoint", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", strategy=args.strategy, devices=2)
     fabric.launch()
-    train(fabric, Path(args.outdir), args.mode, args.at)
+    outdir = Path(args.outdir)
+    train(fabric, outdir, args.mode, args.at, args.checkpoint or outdir / "ckpt.pt")
 
 
-def train(fabric: Fabric, outdir: Path, mode: str, stop_at: int) -> None:
+def train(fabric: Fabric, outdir: Path, mode: str, stop_at: int, checkpoint: str | Path) -> None:
     fabric.seed_everything(1234, verbose=False)
     torch.manual_seed(1234 + 1000 * fabric.global_rank)  # ranks draw different random numbers
     random.seed(99 + fabric.global_rank)
@@ -65,7 +70,7 @@ def train(fabric: Fabric, outdir: Path, mode: str, stop_at: int) -> None:
 
     state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0, "epoch": 0}
     if mode == "resume":
-        fabric.load(outdir / "ckpt.pt", state)
+        fabric.load(checkpoint, state)
     seen: list[int] = []
     step = state["step"]
     for epoch in range(state["epoch"], EPOCHS):
@@ -79,7 +84,7 @@ def train(fabric: Fabric, outdir: Path, mode: str, stop_at: int) -> None:
             seen.extend(indices.tolist())
             if mode == "stop" and step == stop_at:
                 state.update(step=step, epoch=epoch)
-                fabric.save(outdir / "ckpt.pt", state)
+                fabric.save(checkpoint, state)
                 _report(fabric, outdir, mode, model, seen)
                 return
     _report(fabric, outdir, mode, model, seen)
