@@ -8,7 +8,9 @@ generation; ``fabric.load`` reads the record, the object (checking its size and 
 and loads it through the per-record CRC check.
 
 The server is moto's S3 server on 127.0.0.1 (in this process's threads), so the numbers measure the
-client side and the extra requests, not a network. Variants alternate in a random order; medians.
+client side and the extra requests, not a network. Variants alternate in a random order; medians. Beside
+the wall time, the CPU time of this process (client and server threads together): on a machine shared
+with other jobs it moves far less than the wall time does.
 
     python benchmarks/object_storage.py [--size-mb 200] [--reps 5]
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import sys
 import time
@@ -72,23 +75,32 @@ def main() -> None:
             "raw save": raw_save, "fabric save": fabric_save, "raw load": raw_load, "fabric load": fabric_load,
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
+        cpu: dict[str, list[float]] = {name: [] for name in variants}
         raw_save()
         fabric_save()
         for _ in range(args.reps):
             for pair in (["raw save", "fabric save"], ["raw load", "fabric load"]):
                 random.shuffle(pair)
                 for name in pair:
+                    cpu_before = _cpu_seconds()
                     started = time.perf_counter()
                     variants[name]()
                     times[name].append(time.perf_counter() - started)
+                    cpu[name].append(_cpu_seconds() - cpu_before)
         print(f"{args.size_mb} MB single file, moto S3 server on 127.0.0.1, {args.reps} reps, medians (min):")
         for name, values in times.items():
-            print(f"  {name:12s} {statistics.median(values):7.2f} s  ({min(values):.2f} s)")
+            print(f"  {name:12s} {statistics.median(values):7.2f} s  ({min(values):.2f} s)   CPU {statistics.median(cpu[name]):6.2f} s")
         for what in ("save", "load"):
             ratio = statistics.median(times[f"fabric {what}"]) / statistics.median(times[f"raw {what}"])
-            print(f"  {what}: fabric / raw = {ratio:.2f}x")
+            cpu_ratio = statistics.median(cpu[f"fabric {what}"]) / statistics.median(cpu[f"raw {what}"])
+            print(f"  {what}: fabric / raw = {ratio:.2f}x (CPU time {cpu_ratio:.2f}x)")
     finally:
         server.stop()
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

@@ -113,11 +113,17 @@ def _generations(fs: Any, path: str) -> list[str]:
 
 
 def remove_other_generations(fs: Any, path: str, keep: str | None) -> None:
-    """Remove every generation of ``path`` but ``keep`` (after the commit of ``keep``); never raises."""
+    """Remove every generation of ``path`` but ``keep`` (after the commit of ``keep``); never raises.
+
+    Two requests on an object store, however many generations and objects there are: one listing of
+    everything under ``URL.fabric/`` and one bulk delete (per 1000 objects) of what is not in ``keep``."""
+    folder = f"{path}{DATA_SUFFIX}"
     try:
-        for entry in _generations(fs, path):
-            if entry.rsplit("/", 1)[-1] != keep:
-                fs.rm(entry, recursive=True)
+        fs.invalidate_cache(folder)
+        entries = [entry.rstrip("/") for entry in fs.find(folder, withdirs=True)]
+        doomed = [entry for entry in entries if entry.startswith(f"{folder}/") and entry[len(folder) + 1 :].split("/", 1)[0] != keep]
+        if doomed:  # files and their folders (a store without folders takes a folder's name as a missing key)
+            fs.rm(sorted(doomed))
     except Exception:  # the new checkpoint is committed; leftovers are removed by the next save
         pass
 
