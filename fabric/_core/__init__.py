@@ -9,4 +9,6 @@ Every module here imports only the standard library, so the CLI can use them bef
 * :mod:`fabric._core.devices`: the syntax of ``devices=`` ("2", "0,1", "[0,1]", -1, "auto");
 * :mod:`fabric._core.names`: accelerator and precision names, and the strategy registry's launch facts;
 * :mod:`fabric._core.processes`: "is this pid alive", process trees, and stopping process groups.
+* :mod:`fabric._core.process_end`: what must run before the process ends, also through ``os._exit``
+  (the loggers' last rows and events).
 """

@@ -14,6 +14,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 
+from fabric._core.process_end import HARD_END_WAIT_S, run_process_end_callbacks
+
 __all__ = [
     "become_group_leader",
     "descendant_pids",
@@ -188,8 +190,10 @@ def kill_own_group_and_exit(exit_code: int, grace: float) -> None:
 
     Used by a rank that must stop on its own, e.g. because its supervisor died. If this process does
     not lead its group (it was not started by a fabric supervisor), only its descendants are killed, so
-    that we never hit processes outside the job.
+    that we never hit processes outside the job. What must reach disk first (``fabric._core.process_end``:
+    the loggers' last rows and events) is written before anything is stopped.
     """
+    run_process_end_callbacks(timeout=HARD_END_WAIT_S)
     flush_stdio()
     pgid = os.getpgrp()
     if pgid == os.getpid():

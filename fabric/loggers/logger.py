@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import re
 import sys
@@ -13,6 +12,7 @@ from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any
 
+from fabric._core.process_end import at_process_end
 from fabric.utilities.rank_zero import rank_zero_only
 
 __all__ = ["Logger", "NoOpExperiment", "rank_zero_experiment", "rank_zero_only"]
@@ -21,19 +21,17 @@ DEFAULT_NAME = "fabric_logs"
 
 # Our loggers that may hold what is not on disk yet. Weak: a logger nobody uses can still be collected.
 _OPEN_LOGGERS: weakref.WeakSet[Any] = weakref.WeakSet()
-_EXIT_HOOK_REGISTERED = False
 
 
 def register_close_at_exit(logger: Any) -> None:
-    """Have ``logger.close_at_exit()`` run when the process ends (normally, or after an exception), if it still exists.
+    """Have ``logger.close_at_exit()`` run when the process ends, if it still exists.
 
-    So a script that ends without ``finalize`` keeps its last rows and events; one hook for all loggers.
+    So a script that ends without ``finalize`` keeps its last rows and events: at a normal end, after an
+    exception, in a fork worker (ended with ``os._exit``) and in rank 0 ended at once because another
+    rank failed (see :mod:`fabric._core.process_end`). One callback for all loggers.
     """
-    global _EXIT_HOOK_REGISTERED
     _OPEN_LOGGERS.add(logger)
-    if not _EXIT_HOOK_REGISTERED:
-        atexit.register(_close_open_loggers)
-        _EXIT_HOOK_REGISTERED = True
+    at_process_end(_close_open_loggers)
 
 
 def _close_open_loggers() -> None:
@@ -42,6 +40,8 @@ def _close_open_loggers() -> None:
             logger.close_at_exit()
         except Exception as err:  # one logger's failure must not cost the others their data
             print(f"[fabric] could not write {type(logger).__name__}'s last data at exit: {err!r}", file=sys.stderr, flush=True)
+
+
 _VERSION_DIR = re.compile(r"version_(\d+)")
 
 

@@ -33,6 +33,7 @@ from fabric.utilities.group_lifetime import (
     leave_process_group,
     leave_process_group_at_exit,
     track_ddp_module,
+    wait_until_every_rank_has_joined,
 )
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -158,6 +159,8 @@ class ProcessGroupStrategy(ParallelStrategy):
         kwargs["store"] = store
         bind_default_arguments_before_the_group_exists()
         dist.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
+        # no rank may leave (and close its connections) while a peer is still joining
+        wait_until_every_rank_has_joined()
         # Leaving the group explicitly at exit is cheap (~10 ms); left to the destructors, a gloo group can
         # hold the interpreter's exit up by half a second, which every rank of every job pays.
         atexit.register(leave_process_group_at_exit)

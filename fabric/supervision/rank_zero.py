@@ -17,8 +17,9 @@ import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
+from fabric._core.process_end import HARD_END_WAIT_S, run_process_end_callbacks
 from fabric._core.processes import descendant_pids, flush_stdio, kill_processes, signal_name
 from fabric.supervision.rank_side import print_rank_exception, write_stderr
 from fabric.supervision.signals import SignalPipe
@@ -168,8 +169,7 @@ class RankZeroSupervision:
         with self._lock:  # held by whoever stops the job until its teardown is done
             code = self._forced_exit
         if code is not None:
-            flush_stdio()
-            os._exit(code)
+            _end_now(code)
 
     # -- the monitor thread ------------------------------------------------------------------------
 
@@ -220,8 +220,7 @@ class RankZeroSupervision:
                 self._report(result.diagnosis)
                 self._teardown()
             finally:  # whatever the teardown ran into, the job failed, with the failed rank's status
-                flush_stdio()
-                os._exit(self._forced_exit)
+                _end_now(self._forced_exit)
 
     def _abort_for_signal(self, signum: int, grace: float | None = None) -> None:
         """Ctrl-C / SIGTERM: stop the children, then end rank 0 with 128 + signum."""
@@ -238,8 +237,7 @@ class RankZeroSupervision:
         if grace > 0 and threading.current_thread() is not threading.main_thread():
             # Give the main thread the chance to unwind (finally blocks, KeyboardInterrupt).
             threading.Event().wait(grace)
-        flush_stdio()
-        os._exit(128 + signum)
+        _end_now(128 + signum)
 
     # -- teardown -----------------------------------------------------------------------------------
 
@@ -275,6 +273,17 @@ class RankZeroSupervision:
         pids = descendant_pids(os.getpid(), exclude=keep)
         if pids:
             kill_processes(pids, signal.SIGTERM, GRACE_S)
+
+
+def _end_now(code: int) -> NoReturn:
+    """End rank 0 with ``code`` at once, skipping ``atexit``, but not what must reach disk first.
+
+    The callbacks of :mod:`fabric._core.process_end` (the loggers' last rows and events) run first,
+    for at most ``HARD_END_WAIT_S``.
+    """
+    run_process_end_callbacks(timeout=HARD_END_WAIT_S)
+    flush_stdio()
+    os._exit(code)
 
 
 def _multiprocessing_helper_pids() -> set[int]:

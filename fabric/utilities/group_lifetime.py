@@ -26,6 +26,7 @@ __all__ = [
     "leave_process_group_at_exit",
     "track_ddp_module",
     "track_device_mesh",
+    "wait_until_every_rank_has_joined",
 ]
 
 
@@ -39,6 +40,24 @@ def bind_default_arguments_before_the_group_exists() -> None:
     ("terminate called without an active exception", exit 134, after a successful run).
     """
     import torch.distributed.nn.functional  # noqa: F401
+
+
+def wait_until_every_rank_has_joined() -> None:
+    """Return only once every rank's ``init_process_group`` has returned (gloo groups; others: at once).
+
+    A rank's ``init_process_group`` can return before its peers' has: of each pair of gloo ranks one
+    connects and writes its identifier, and it is done once that sits in its socket, before the peer's
+    process has even accepted the connection. A rank that leaves the group right away (a script that ends
+    after ``launch()``: the exit hook leaves at once) closes that connection and, on rank 0, the store
+    the others still read, and a slower peer's ``init_process_group`` fails ("Gloo connectFullMesh
+    failed ... Connection closed by peer", or the store's "Failed to recv"). A barrier after joining
+    costs one round trip and keeps every rank until all have joined. NCCL connects at the first
+    collective, so it has no such race and no eager connection is forced on it; a "cpu:gloo,cuda:nccl"
+    group's barrier runs on its gloo part.
+    """
+    if "gloo" not in str(dist.get_backend()):
+        return
+    dist.barrier()
 
 
 # Every DDP module set up in this process, so that leaving the group can make them let go of it.

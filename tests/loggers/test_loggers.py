@@ -322,33 +322,61 @@ def test_fabric_logger_properties(tmp_path: Path) -> None:
 
 _LOG_WITHOUT_FINALIZE = """\
 import sys
+import time
 from fabric import Fabric
 from fabric.loggers import CSVLogger, TensorBoardLogger
 
-root = sys.argv[1]
-fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp",
+
+def log_and_end(fabric, ending):
+    for step in range(5):
+        fabric.log("reward", float(step * 10), step=step)
+    fabric.log("test_reward", 123.0, step=5)  # the last event, as in an RL example's test at the end
+    if ending == "rank 0 raises" and fabric.global_rank == 0:
+        raise RuntimeError("the script fails after logging")
+    if ending.startswith("rank 1 raises"):
+        if fabric.global_rank == 1:
+            time.sleep(1)
+            raise RuntimeError("rank 1 fails after logging")
+        if ending == "rank 1 raises while rank 0 runs":
+            time.sleep(60)  # still running when rank 1 fails: the launcher ends this process
+
+
+root, strategy, ending = sys.argv[1:]
+fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy,
                 loggers=[TensorBoardLogger(root, flush_secs=3600), CSVLogger(root)])
-fabric.launch()
-for step in range(5):
-    fabric.log("reward", float(step * 10), step=step)
-fabric.log("test_reward", 123.0, step=5)  # the last event, as in an RL example's test at the end
-if sys.argv[2] == "raise" and fabric.global_rank == 0:
-    raise RuntimeError("the script fails after logging")
+if strategy == "ddp":
+    fabric.launch()
+    log_and_end(fabric, ending)
+else:
+    fabric.launch(log_and_end, ending)
 """
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("ending", ["normal"])  # TODO "raise": rank 0 raising loses metrics.csv (open)
-def test_a_script_that_ends_without_finalize_keeps_its_last_events_and_rows(tmp_path: Path, ending: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "ending"),
+    [
+        ("ddp", "normal"),
+        ("ddp", "rank 0 raises"),
+        # rank 0 is ended with os._exit by its supervision thread, without atexit (rows lost before)
+        ("ddp", "rank 1 raises while rank 0 runs"),
+        ("ddp", "rank 1 raises after rank 0 ended"),
+        # multiprocessing ends a fork worker with os._exit, without atexit (events and rows lost before)
+        ("ddp_fork", "normal"),
+        ("ddp_fork", "rank 0 raises"),
+    ],
+)
+def test_a_script_that_ends_without_finalize_keeps_its_last_events_and_rows(tmp_path: Path, strategy: str, ending: str) -> None:
+    """Rank 0 logs and never calls ``finalize``; the job ends; the event file and metrics.csv hold everything."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     from support.environment import job_environment
-    from support.processes import run
 
     script = tmp_path / "log.py"
     script.write_text(_LOG_WITHOUT_FINALIZE)
-    result = run([sys.executable, str(script), str(tmp_path / "logs"), ending], timeout=60, env=job_environment(), check=False)
+    result = run([sys.executable, str(script), str(tmp_path / "logs"), strategy, ending], timeout=70,
+                 env=job_environment(), cwd=tmp_path, check=False)
     assert result.returncode == (0 if ending == "normal" else 1), result.stderr
     event_files = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
     assert len(event_files) == 1, event_files
@@ -356,10 +384,10 @@ def test_a_script_that_ends_without_finalize_keeps_its_last_events_and_rows(tmp_
     for event in EventFileLoader(str(event_files[0])).Load():
         for value in event.summary.value:
             scalars[(value.tag, event.step)] = value.tensor.float_val[0] if value.HasField("tensor") else value.simple_value
-    assert scalars[("test_reward", 5)] == 123.0
-    assert [scalars[("reward", step)] for step in range(5)] == [0.0, 10.0, 20.0, 30.0, 40.0]
-    (metrics,) = list((tmp_path / "logs").rglob("metrics.csv"))
-    with open(metrics, newline="") as handle:
-        rows = list(csv.DictReader(handle))
+    assert scalars.get(("test_reward", 5)) == 123.0, (scalars, result.stderr)
+    assert [scalars.get(("reward", step)) for step in range(5)] == [0.0, 10.0, 20.0, 30.0, 40.0]
+    metrics = list((tmp_path / "logs").rglob("metrics.csv"))
+    assert len(metrics) == 1, (metrics, result.stderr)
+    rows = _rows(metrics[0])
     assert [row["step"] for row in rows] == ["0", "1", "2", "3", "4", "5"]
     assert float(rows[-1]["test_reward"]) == 123.0

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from fabric._core.env import export_rendezvous, global_rank
+from fabric._core.process_end import HARD_END_WAIT_S, run_process_end_callbacks
 from fabric._core.processes import become_group_leader
 from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
 from fabric.supervision.diagnosis import install_stack_dump, record_failure
@@ -315,16 +316,22 @@ def _worker(
                     f"launching process (it is serialized with torch.save): {type(err).__name__}: {err}"
                 ) from err
     except SystemExit:
+        run_process_end_callbacks(timeout=HARD_END_WAIT_S)
         raise  # sys.exit(n) in a worker: its code is its exit status, as usual
     except BaseException as err:
         record_failure(job_dir, rank, "".join(traceback.format_exception(type(err), err, err.__traceback__)))
         text = format_rank_traceback(rank, type(err), err, err.__traceback__)
+        # before the report: once it is sent, the launcher stops every worker, this one too
+        run_process_end_callbacks(timeout=HARD_END_WAIT_S)
         try:
             # when it raised (a clock all processes share): the cause raises before its echoes
             conn.send(("error", text, time.monotonic()))
         except Exception:
             sys.stderr.write(text)
         sys.exit(1)
+    # multiprocessing ends a fork or forkserver worker with os._exit, which skips atexit: what must reach
+    # disk (the loggers' last rows and events) is written here, before the launcher hears that we are done
+    run_process_end_callbacks(timeout=HARD_END_WAIT_S)
     conn.send(("ok", payload))
 
 

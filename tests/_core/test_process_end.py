@@ -1,0 +1,104 @@
+"""What runs before a process ends (``fabric._core.process_end``): once, in order, and also before ``os._exit``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fabric._core import process_end
+from support.environment import clean_env
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registry of the test's own: nothing of this process's loggers runs, nothing goes to atexit."""
+    monkeypatch.setattr(process_end, "_callbacks", [])
+    monkeypatch.setattr(process_end, "_finished", None)
+    monkeypatch.setattr(process_end, "_atexit_registered", True)
+
+
+def test_callbacks_run_once_in_order_and_one_failure_does_not_stop_the_others(registry: None, capsys: pytest.CaptureFixture[str]) -> None:
+    calls: list[str] = []
+
+    def fails() -> None:
+        calls.append("fails")
+        raise OSError("disk full")
+
+    def first() -> None:
+        calls.append("first")
+
+    def last() -> None:
+        calls.append("last")
+
+    for callback in (first, fails, first, last):  # registered twice while waiting: runs once
+        process_end.at_process_end(callback)
+    process_end.run_process_end_callbacks()
+    process_end.run_process_end_callbacks()
+    assert calls == ["first", "fails", "last"]
+    assert "disk full" in capsys.readouterr().err
+    process_end.at_process_end(first)  # registered after a run: runs at the next one
+    process_end.run_process_end_callbacks()
+    assert calls == ["first", "fails", "last", "first"]
+
+
+@pytest.mark.timeout(30)
+def test_a_second_caller_waits_for_the_run_under_way(registry: None) -> None:
+    """The supervision thread about to ``os._exit`` must not cut short what the main thread's atexit writes."""
+    started, release, written = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_write() -> None:
+        started.set()
+        release.wait(10)
+        written.set()
+
+    process_end.at_process_end(slow_write)
+    runner = threading.Thread(target=process_end.run_process_end_callbacks)
+    runner.start()
+    assert started.wait(10)
+    threading.Timer(0.3, release.set).start()
+    process_end.run_process_end_callbacks(timeout=10)
+    assert written.is_set()
+    runner.join(10)
+
+
+@pytest.mark.timeout(30)
+def test_a_hung_callback_keeps_a_hard_end_waiting_only_for_the_timeout(registry: None) -> None:
+    hang = threading.Event()
+    process_end.at_process_end(lambda: hang.wait(20))
+    start = time.monotonic()
+    process_end.run_process_end_callbacks(timeout=0.5)
+    assert time.monotonic() - start < 5
+    hang.set()
+
+
+_FORKED = """
+import os, sys
+from fabric._core.process_end import at_process_end, run_process_end_callbacks
+
+out = sys.argv[1]
+at_process_end(lambda: open(os.path.join(out, f"ran-{os.getpid()}"), "w").close())
+pid = os.fork()
+if pid == 0:
+    run_process_end_callbacks()  # what fabric's fork workers and hard ends do before os._exit
+    os._exit(0)
+os.waitpid(pid, 0)
+print(os.getpid(), pid)  # the parent's callbacks run at its normal end, through atexit
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_runs_what_its_parent_registered_and_so_does_the_parent(tmp_path: Path) -> None:
+    script = tmp_path / "forked.py"
+    script.write_text(textwrap.dedent(_FORKED))
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], env=clean_env(), capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    parent, child = result.stdout.split()
+    assert sorted(path.name for path in tmp_path.glob("ran-*")) == sorted([f"ran-{parent}", f"ran-{child}"])

@@ -1,0 +1,83 @@
+"""The shortest job: every rank joins and the script ends at once (the user's two-line start-up check).
+
+    python short_job.py --devices N [--slow-peers]     # Fabric(devices=N).launch()
+    fabric-torch run --devices N short_job.py [--slow-peers]
+
+Every rank prints ``joined <rank>``. ``--slow-peers``: every rank but 0 takes its time between writing
+its own gloo address to the store and connecting to its peers, as a rank on a loaded machine does (the
+first read from the store waits 1.5 s). A rank that is done joining before its peers must not
+leave them behind: the job must end with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+import fabric.strategies.ddp as ddp
+from fabric import Fabric
+
+_DELAY_S = 1.5
+
+
+class SlowFirstRead(dist.Store):
+    """A store that waits before its first read and otherwise forwards everything to ``inner``."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner = inner
+        self.delayed = False
+
+    def get(self, key: str) -> bytes:
+        if not self.delayed:
+            self.delayed = True
+            time.sleep(_DELAY_S)
+        return self.inner.get(key)
+
+    def set(self, key: str, value: Any) -> None:
+        self.inner.set(key, value)
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self.inner.set_timeout(timeout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int)
+    parser.add_argument("--slow-peers", action="store_true")
+    args = parser.parse_args()
+    if args.slow_peers and os.environ.get("RANK", "0") != "0":
+        job_store = ddp._job_store
+        ddp._job_store = lambda *a, **k: SlowFirstRead(job_store(*a, **k))  # type: ignore[assignment]
+    fabric = Fabric(accelerator="cpu", devices=args.devices) if args.devices else Fabric()
+    fabric.launch()
+    print(f"joined {fabric.global_rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
