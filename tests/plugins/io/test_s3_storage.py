@@ -240,3 +240,102 @@ def test_consolidate_to_a_bucket(bucket: str, tmp_path) -> None:
     assert main([str(tmp_path / "missing"), f"{bucket}/full.pt"]) == 1
     with pytest.raises(FileNotFoundError):
         safe_load(f"{bucket}/full.pt")
+
+
+# ---- sharded checkpoints on the bucket ------------------------------------------------------------------
+
+
+def store_job(url: str, out, *args: str, tmpdir) -> None:
+    """``support/scripts/dcp/store_job.py`` as a 2-process FSDP job under torchrun; the ranks reach this module's S3
+    server through the environment, and keep their staging folders in ``tmpdir`` (checked empty afterwards)."""
+    import subprocess
+    import sys
+
+    from support.environment import clean_env
+    from support.loading import script_path
+
+    tmpdir.mkdir(exist_ok=True)
+    env = clean_env(
+        OMP_NUM_THREADS="1",
+        TMPDIR=str(tmpdir),
+        **{name: os.environ[name] for name in [*CREDENTIALS, "AWS_ENDPOINT_URL"]},
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+         str(script_path("dcp", "store_job.py")), url, str(out), *args],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert [name for name in os.listdir(tmpdir) if name.startswith(storage.STAGING_PREFIX)] == [], "a staging folder was left"
+
+
+def plain_job_objects(seed: int = 5) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from support.dcp_jobs import job_model
+
+    torch.manual_seed(seed)
+    model = job_model()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def assert_holds(model: nn.Module, optimizer: torch.optim.Optimizer, reference: dict) -> None:
+    for name, value in reference["model"].items():
+        assert torch.equal(model.state_dict()[name], value), name
+    state = optimizer.state_dict()["state"]
+    assert state.keys() == reference["optimizer"]["state"].keys()
+    for number, entry in reference["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(state[number][name]), torch.as_tensor(value)), (number, name)
+
+
+def assert_same(loaded: dict, reference: dict) -> None:
+    for name, value in reference["model"].items():
+        assert torch.equal(loaded["model"][name], value), name
+    for number, entry in reference["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(loaded["optimizer"]["state"][number][name]), torch.as_tensor(value)), (number, name)
+
+
+@pytest.mark.timeout(600)
+def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_on_two_and_on_one(bucket: str, tmp_path) -> None:
+    """On the bucket: a 2-process FSDP job saves sharded (sync, then async), then a save in which rank 1's upload
+    fails: every rank raises, the previous checkpoint loads with its exact values. Then 2 -> 2 processes, 2 -> 1
+    (a plain module in this process) and 1 -> 2 (saved here without processes) load what was saved."""
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    out = tmp_path / "out"
+    out.mkdir()
+    store_job(f"{bucket}/run", out, "save", tmpdir=tmp_path / "tmp")
+    for rank in range(2):
+        failed = (out / f"failed-rank{rank}.txt").read_text()
+        assert failed.startswith("RuntimeError") and "previous one is kept" in failed, failed
+        assert "uploading rank 1's part failed" in failed and "injected" in failed, failed
+    reference = {name: torch.load(out / f"ref-{name}.pt", weights_only=True) for name in ("sync", "async")}
+    after = torch.load(out / "after-failure.pt", weights_only=True)
+    assert after["step"] == 3
+    assert_same(after, reference["sync"])
+    fs, path = storage.filesystem(f"{bucket}/run/sync")
+    record = json.loads(fs.cat_file(path))
+    assert record["kind"] == "sharded"
+    assert sorted(record["objects"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "fabric-objects.pt"]
+    fs.invalidate_cache()
+    assert [entry.rsplit("/", 1)[-1] for entry in fs.ls(f"{path}{storage.DATA_SUFFIX}")] == [record["generation"]]
+
+    for name in ("sync", "async"):  # 2 -> 1: a plain model and optimizer in this process
+        model, optimizer = plain_job_objects()
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        load_sharded(f"{bucket}/run/{name}", state)
+        assert state["step"] == {"sync": 3, "async": 4}[name]
+        assert_holds(model, optimizer, reference[name])
+
+    model, optimizer = plain_job_objects(seed=9)  # 1 -> 2: saved here, one process, no process group
+    model(torch.ones(2, 6)).sum().backward()
+    optimizer.step()
+    save_sharded(f"{bucket}/run/one", {"model": model, "optimizer": optimizer, "step": 11})
+    single = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    store_job(f"{bucket}/run", out, "load", "async", "one", tmpdir=tmp_path / "tmp")
+    loaded = torch.load(out / "loaded-async.pt", weights_only=True)
+    assert loaded["step"] == 4
+    assert_same(loaded, reference["async"])
+    loaded = torch.load(out / "loaded-one.pt", weights_only=True)
+    assert loaded["step"] == 11
+    assert_same(loaded, single)
