@@ -2,6 +2,8 @@
 
 The server is started once for this module on a free port and stopped at the end; s3fs finds it through
 ``AWS_ENDPOINT_URL`` and takes dummy credentials from the environment, set only while these tests run.
+Single files, then sharded checkpoints: saved by one process, and by 2-process FSDP jobs under torchrun
+whose ranks reach the server through the same variables.
 """
 
 from __future__ import annotations
@@ -234,7 +236,7 @@ def test_server_stopped_mid_save_clear_error_previous_intact(tmp_path) -> None:
 
 
 def test_consolidate_to_a_bucket(bucket: str, tmp_path) -> None:
-    """``fabric-torch consolidate`` writes its file to a bucket (a sharded folder read from a bucket: not yet)."""
+    """``fabric-torch consolidate`` writes nothing for a missing folder (the file on the bucket: below)."""
     from fabric.consolidate import main
 
     assert main([str(tmp_path / "missing"), f"{bucket}/full.pt"]) == 1
@@ -339,3 +341,64 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
     loaded = torch.load(out / "loaded-one.pt", weights_only=True)
     assert loaded["step"] == 11
     assert_same(loaded, single)
+
+
+def sharded_url_and_state(bucket: str, name: str = "sharded", seed: int = 5) -> tuple[str, nn.Module, torch.optim.Optimizer]:
+    """A sharded checkpoint saved on the bucket by one process (no process group), with what it holds."""
+    from fabric.checkpoint.sharded_folder import save_sharded
+
+    model, optimizer = plain_job_objects(seed)
+    model(torch.ones(2, 6)).sum().backward()
+    optimizer.step()
+    url = f"{bucket}/{name}"
+    save_sharded(url, {"model": model, "optimizer": optimizer, "step": 4})
+    return url, model, optimizer
+
+
+def sharded_object(url: str, name: str) -> str:
+    fs, path = storage.filesystem(url)
+    record = json.loads(fs.cat_file(path))
+    return f"{storage.generation_prefix(path, record['generation'])}/{name}"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other_save", "no_record"])
+def test_damaged_sharded_checkpoint_on_the_bucket_refused_nothing_changed(bucket: str, damage: str) -> None:
+    url, *_ = sharded_url_and_state(bucket)
+    fs, path = storage.filesystem(url)
+    target = sharded_object(url, "__0_0.distcp")
+    data = bytearray(fs.cat_file(target))
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        fs.pipe_file(target, bytes(data))
+        expected = r"__0_0\.distcp.*do not match the CRC-32 in the commit record"
+    elif damage == "truncate":
+        fs.pipe_file(target, bytes(data[: len(data) // 2]))
+        expected = r"__0_0\.distcp.* has \d+ bytes, the commit record says"
+    elif damage == "other_save":
+        other, *_ = sharded_url_and_state(bucket, "other", seed=6)
+        fs.pipe_file(target, fs.cat_file(sharded_object(other, "__0_0.distcp")))
+        expected = r"__0_0\.distcp.*do not match the CRC-32 in the commit record \(damaged, or from another save\)"
+    else:
+        fs.rm(path)
+        expected = "no commit record"
+    fresh, fresh_optimizer = plain_job_objects(seed=7)
+    before = {name: value.clone() for name, value in fresh.state_dict().items()}
+    state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    with pytest.raises((RuntimeError, FileNotFoundError), match=expected) as info:
+        cpu_fabric().load(url, state)
+    assert f"{bucket}/sharded" in str(info.value)
+    assert all(torch.equal(value, fresh.state_dict()[name]) for name, value in before.items())
+    assert state["step"] == 0 and not fresh_optimizer.state
+
+
+def test_consolidate_a_sharded_checkpoint_from_a_bucket_to_a_file_and_to_the_bucket(bucket: str, tmp_path) -> None:
+    from fabric.consolidate import main
+
+    url, model, optimizer = sharded_url_and_state(bucket)
+    assert main([url, str(tmp_path / "full.pt")]) == 0
+    assert main([url, f"{bucket}/full.pt"]) == 0
+    for full in (torch.load(tmp_path / "full.pt", weights_only=True), safe_load(f"{bucket}/full.pt")):
+        assert full["step"] == 4
+        assert all(torch.equal(full["model"][name], value) for name, value in model.state_dict().items())
+        assert torch.equal(full["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert main([f"{bucket}/full.pt", str(tmp_path / "again.pt")]) == 1  # a file, not a sharded checkpoint
