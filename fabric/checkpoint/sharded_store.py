@@ -2,13 +2,15 @@
 made visible by the commit record (``fabric.plugins.io.storage``).
 
 Saving, on every rank: the shards are written exactly as into a local folder, but into a private staging
-folder (``storage.new_staging``, in ``TMPDIR``; not synced: it need not survive a crash). Each rank then
-uploads its own data files under ``URL.fabric/GENERATION/`` (rank 0 also the index), the generation named by
-rank 0 for all; each byte is read once and digested on its way out (the object's size and CRC-32, and each
-item's CRC-32), and each file's records digest is taken from its archives' directories, as for a local
-folder. Rank 0 gathers every rank's digests (or its error), writes ``fabric-objects.pt`` with the same
-binding a local folder's carries (the index's CRC, the generation as the save id, every data file's size
-and records digest), then the commit record of kind ``"sharded"``, last, then removes older generations.
+folder (``storage.new_staging``, in ``TMPDIR``; not synced: it need not survive a crash), and each data file
+is uploaded under ``URL.fabric/GENERATION/`` while torch writes it (``storage.GrowingUpload``: a thread
+sends what is written so far, read back from the page cache, digesting size and CRC-32 on the way), so the
+save costs about the slower of writing and uploading, not their sum. The generation is named by rank 0 for
+all. Once written, each rank takes each item's CRC-32 and each file's records digest (from its archives'
+directories, as for a local folder) from its staging copy; rank 0 uploads the index. Rank 0 gathers every
+rank's digests (or its error), writes ``fabric-objects.pt`` with the same binding a local folder's carries
+(the index's CRC, the generation as the save id, every data file's size and records digest), then the
+commit record of kind ``"sharded"``, last, then removes older generations.
 Every rank learns the outcome; a failure anywhere leaves the previous checkpoint as it was (its record is
 untouched) and removes the new generation's objects and the staging folders.
 
@@ -23,9 +25,10 @@ URL, never the staging folder.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -33,6 +36,7 @@ from typing import Any
 
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fabric.checkpoint.agreement import broadcast_in_group, gather_in_group, on_rank_zero, rank_in_group
 from fabric.plugins.io import storage
@@ -63,12 +67,86 @@ def agree_on_record(url: str) -> storage.Record:
     )
 
 
-class _RecordingWriter(FileSystemWriter):
-    """torch's file-system writer (unsynced) that keeps where it put each item: the rank's part of the index,
-    known before rank 0 writes the index."""
+class _Tee:
+    """The stream torch's writer writes a data file to: the local staging file, every byte of it also handed
+    to its upload (which reads it back from the file as it grows)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, fd: int, upload: storage.GrowingUpload | None) -> None:
+        self._fd = fd
+        self._upload = upload
+        self.position = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.position += size
+        if self._upload is not None:
+            self._upload.grew(self.position)
+        return size
+
+    def tell(self) -> int:
+        return self.position
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass  # the file is closed by the file system that opened it
+
+
+class _UploadingFileSystem(FileSystem):
+    """torch's local file system, except that each data file (``*.distcp``) is uploaded while it is written
+    (``start(local)`` starts its upload; None: no store to upload to). ``uploads``: each data file's digest,
+    or the error its upload met."""
+
+    def __init__(self, start: Callable[[Path], storage.GrowingUpload] | None) -> None:
+        super().__init__()
+        self._start = start
+        self.uploads: dict[str, dict[str, Any] | BaseException] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        path = Path(path)
+        if mode != "wb" or path.suffix != ".distcp":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+        upload = None
+        try:
+            if self._start is not None:
+                try:
+                    upload = self._start(path)
+                except Exception as err:  # reported with the rank's other upload errors, after the write
+                    self.uploads[path.name] = err
+            tee = _Tee(fd, upload)
+            try:
+                yield tee
+            except BaseException:
+                if upload is not None:
+                    upload.abort()
+                raise
+            if upload is not None:
+                try:
+                    self.uploads[path.name] = upload.finish(tee.position)
+                except Exception as err:
+                    self.uploads[path.name] = err
+        finally:
+            os.close(fd)
+
+
+class _RecordingWriter(FileSystemWriter):
+    """torch's file-system writer (unsynced, over ``fs``) that keeps where it put each item: the rank's part
+    of the index, known before rank 0 writes the index."""
+
+    def __init__(self, path: Path, fs: _UploadingFileSystem) -> None:
         super().__init__(path, sync_files=False)
+        self.fs = fs
         self.written: list[Any] = []  # torch's _StorageInfo (file, offset, length) of each item
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -78,7 +156,8 @@ class _RecordingWriter(FileSystemWriter):
 
 
 def save_to_store(url: str, generation: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
-    """Every rank writes its shards into a staging folder and uploads them; rank 0 commits; all learn the outcome."""
+    """Every rank writes its shards into a staging folder, uploading them as they are written; rank 0 commits;
+    every rank learns the outcome."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -87,7 +166,16 @@ def save_to_store(url: str, generation: str, tensors: dict[str, Tensor], objects
     rank = rank_in_group(group)
     staging = storage.new_staging("save")
     try:
-        writer = _RecordingWriter(staging)
+        start: Callable[[Path], storage.GrowingUpload] | None = None
+        unreachable: Exception | None = None
+        try:
+            fs, path = storage.filesystem(url)
+            prefix = storage.generation_prefix(path, generation)
+            start = lambda local: storage.GrowingUpload(fs, local, f"{prefix}/{local.name}", url)  # noqa: E731
+        except Exception as err:  # this rank still writes its part (the save is a collective), then reports it
+            unreachable = err
+        files = _UploadingFileSystem(start)
+        writer = _RecordingWriter(staging, files)
         try:
             with quiet_single_process():
                 dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
@@ -97,7 +185,7 @@ def save_to_store(url: str, generation: str, tensors: dict[str, Tensor], objects
             if full is not None:
                 part["error"] = f"{full} (set TMPDIR to a folder with room); {part['error']}"
         else:
-            part = _upload(url, generation, staging, writer.written, rank)
+            part = _finish_upload(url, generation, staging, writer.written, files.uploads, rank, unreachable)
         parts = gather_in_group(part, group)
 
         def commit() -> None:
@@ -132,18 +220,38 @@ def save_to_store(url: str, generation: str, tensors: dict[str, Tensor], objects
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _upload(url: str, generation: str, staging: Path, written: list[Any], rank: int) -> dict[str, Any]:
-    """This rank's data files (and on rank 0 the index) uploaded from ``staging``: their digests, or the error."""
+def _finish_upload(
+    url: str,
+    generation: str,
+    staging: Path,
+    written: list[Any],
+    uploads: dict[str, dict[str, Any] | BaseException],
+    rank: int,
+    unreachable: Exception | None,
+) -> dict[str, Any]:
+    """This rank's part of the commit: each data file's upload digest with its items' CRC-32s and its records
+    digest (on rank 0 also the index, uploaded now), or the error this rank met."""
     try:
+        if unreachable is not None:
+            raise unreachable
         fs, path = storage.filesystem(url)
         prefix = storage.generation_prefix(path, generation)
         items: dict[str, list[tuple[int, int]]] = {}
         for info in written:
             items.setdefault(info.relative_path, []).append((info.offset, info.length))
+        for name in sorted(set(uploads) - set(items)):  # a file torch opened but put no item in: not part of the save
+            storage.remove_object_quietly(fs, f"{prefix}/{name}")
+        uploaded: dict[str, Any] = {}
+        for name, spans in sorted(items.items()):
+            digest = uploads.get(name)
+            if isinstance(digest, BaseException):
+                raise digest
+            if digest is None:  # (torch wrote it other than through create_stream: upload it now)
+                digest = storage.upload_file(fs, staging / name, f"{prefix}/{name}", url)
+            if digest["size"] != (staging / name).stat().st_size:
+                raise OSError(f"the upload of {name!r} sent {digest['size']} bytes of {(staging / name).stat().st_size}")
+            uploaded[name] = {**digest, storage.ITEMS_KEY: storage.item_crcs_of_file(staging / name, spans)}
         data_files = data_files_written(staging, written)
-        uploaded = {
-            name: storage.upload_file(fs, staging / name, f"{prefix}/{name}", url, spans) for name, spans in sorted(items.items())
-        }
         if rank == 0:
             uploaded[INDEX_FILE] = storage.upload_file(fs, staging / INDEX_FILE, f"{prefix}/{INDEX_FILE}", url)
         return {"data_files": data_files, "uploaded": uploaded}

@@ -141,20 +141,16 @@ def remove_other_generations(fs: Any, path: str, keep: str | None) -> None:
 
 
 class _Digesting:
-    """A write-only file that passes everything to ``file`` and keeps its size and CRC-32 (and, with ``items``,
-    each item's: see :class:`ItemDigests`)."""
+    """A write-only file that passes everything to ``file`` and keeps its size and CRC-32."""
 
-    def __init__(self, file: Any, items: ItemDigests | None = None) -> None:
+    def __init__(self, file: Any) -> None:
         self._file = file
-        self._items = items
         self.size = 0
         self.crc = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._file.write(view)
-        if self._items is not None:
-            self._items.update(view, self.size)
         self.size += len(view)
         self.crc = crc32(view, self.crc)
         return len(view)
@@ -189,14 +185,22 @@ class ItemDigests:
             index += 1
 
 
-def write_object(
-    fs: Any, path: str, produce: Callable[[Any], None], where: str, items: ItemDigests | None = None
-) -> dict[str, Any]:
-    """Write ``produce(file)`` into the object ``path``; its size and CRC-32 (and with ``items``, the CRC-32 of
-    each of its items, as ``ITEMS_KEY``). A failed write is discarded."""
+def item_crcs_of_file(local: Path, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """The CRC-32 of each of ``spans`` (``(offset, length)``) of the local file ``local``, in offset order."""
+    digests = ItemDigests(sorted(spans))
+    with open(local, "rb", buffering=0) as file:
+        position = 0
+        while chunk := file.read(_CHUNK):
+            digests.update(chunk, position)
+            position += len(chunk)
+    return digests.crcs
+
+
+def write_object(fs: Any, path: str, produce: Callable[[Any], None], where: str) -> dict[str, Any]:
+    """Write ``produce(file)`` into the object ``path``; its size and CRC-32. A failed write is discarded."""
     file = fs.open(path, "wb")
     try:
-        digesting = _Digesting(file, items)
+        digesting = _Digesting(file)
         produce(digesting)
         file.close()
     except BaseException:
@@ -208,24 +212,93 @@ def write_object(
             pass
         _remove_quietly(fs, path)
         raise
-    digest: dict[str, Any] = {"size": digesting.size, "crc32": digesting.crc}
-    if items is not None:
-        digest[ITEMS_KEY] = list(items.crcs)
-    return digest
+    return {"size": digesting.size, "crc32": digesting.crc}
 
 
-def upload_file(fs: Any, local: Path, path: str, where: str, items: Sequence[tuple[int, int]] | None = None) -> dict[str, Any]:
-    """Copy the local file ``local`` to the object ``path`` (one read of each byte, digested as it is sent):
-    the object's size and CRC-32 and, with ``items`` (``(offset, length)`` of each item of a data file), the
-    CRC-32 of each item in offset order. A failed upload is discarded."""
-    digests = ItemDigests(sorted(items)) if items is not None else None
+def upload_file(fs: Any, local: Path, path: str, where: str) -> dict[str, Any]:
+    """Copy the local file ``local`` to the object ``path``: its size and CRC-32, taken from the bytes sent."""
 
     def produce(file: Any) -> None:
         with open(local, "rb", buffering=0) as source:
             while chunk := source.read(_CHUNK):
                 file.write(chunk)
 
-    return write_object(fs, path, produce, where, digests)
+    return write_object(fs, path, produce, where)
+
+
+class GrowingUpload:
+    """The upload of a local file while it is being written: a thread sends to the object ``path`` what the
+    writer has written so far (:meth:`grew`), read back from the file, digested on its way (size, CRC-32);
+    :meth:`finish` waits for the rest and returns the digest (or raises the upload's error), :meth:`abort`
+    gives up and discards the object. Writing and uploading overlap, so a staged save costs about what the
+    slower of the two costs, not their sum."""
+
+    def __init__(self, fs: Any, local: Path, path: str, where: str) -> None:
+        import threading
+
+        self._fs, self._local, self._path, self._where = fs, local, path, where
+        self._changed = threading.Condition()
+        self._written = 0
+        self._sent = 0  # read by grew() without the lock: only a hint of when to wake the thread
+        self._closed = False
+        self._aborted = False
+        self._digest: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fabric-upload", daemon=True)
+        self._thread.start()
+
+    def grew(self, written: int) -> None:
+        """The file now holds ``written`` bytes."""
+        with self._changed:
+            self._written = written
+            if written - self._sent >= _CHUNK:
+                self._changed.notify()
+
+    def finish(self, written: int) -> dict[str, Any]:
+        with self._changed:
+            self._written, self._closed = written, True
+            self._changed.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._digest is not None
+        return self._digest
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborted = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._digest = write_object(self._fs, self._path, self._send, self._where)
+        except BaseException as err:
+            self._error = err
+
+    def _send(self, file: Any) -> None:
+        with open(self._local, "rb", buffering=0) as source:
+            position = 0
+            while True:
+                with self._changed:
+                    while not (self._aborted or self._closed or self._written - position >= _CHUNK):
+                        self._changed.wait()
+                    if self._aborted:
+                        raise _Aborted(self._where)
+                    end, last = self._written, self._closed
+                while position < end:
+                    chunk = os.pread(source.fileno(), min(_CHUNK, end - position), position)
+                    if not chunk:
+                        raise OSError(f"{str(self._local)!r} ended at byte {position} while {end} were written")
+                    file.write(chunk)
+                    position += len(chunk)
+                    self._sent = position
+                if last:
+                    return
+
+
+class _Aborted(Exception):
+    """The upload of a growing file was given up (the write failed)."""
 
 
 def new_staging(purpose: str) -> Path:
@@ -237,6 +310,11 @@ def new_staging(purpose: str) -> Path:
 
 
 STAGING_PREFIX = "fabric-staging-"
+
+
+def remove_object_quietly(fs: Any, path: str) -> None:
+    """Remove the object ``path`` if it can be removed; never raises."""
+    _remove_quietly(fs, path)
 
 
 def _remove_quietly(fs: Any, path: str) -> None:

@@ -518,6 +518,36 @@ def test_sharded_checkpoint_on_a_url_is_found_and_removed(staging: Path, memory_
     assert not is_sharded_checkpoint(url) and not fs.exists(path) and not fs.exists(f"{path}{storage.DATA_SUFFIX}")
 
 
+def test_a_growing_upload_sends_what_is_written_as_it_is_written_and_gives_up_cleanly(tmp_path: Path, memory_url: str) -> None:
+    """The upload of a staging file while torch writes it: the object gets every byte (digest of the bytes sent),
+    a write that fails discards the object, and an upload that fails is reported when the write is done."""
+    from fabric.plugins.io.integrity import crc32
+
+    fs, root = store_of(memory_url)
+    local = tmp_path / "part"
+    data = os.urandom(9 << 20)  # more than one 8 MiB piece
+    with open(local, "wb", buffering=0) as file:
+        upload = storage.GrowingUpload(fs, local, f"{root}/part", memory_url)
+        for start in range(0, len(data), 3 << 20):
+            file.write(data[start : start + (3 << 20)])
+            upload.grew(min(len(data), start + (3 << 20)))
+        digest = upload.finish(len(data))
+    assert digest == {"size": len(data), "crc32": crc32(data)}
+    assert fs.cat_file(f"{root}/part") == data
+
+    with open(local, "wb", buffering=0) as file:
+        upload = storage.GrowingUpload(fs, local, f"{root}/cut", memory_url)
+        file.write(data[: 1 << 20])
+        upload.grew(1 << 20)
+        upload.abort()  # the write failed: nothing of it stays on the store
+    assert not fs.exists(f"{root}/cut")
+
+    upload = storage.GrowingUpload(fs, tmp_path / "no-such-file", f"{root}/gone", memory_url)
+    with pytest.raises(FileNotFoundError):
+        upload.finish(10)
+    assert not fs.exists(f"{root}/gone")
+
+
 def test_sharded_url_errors_never_show_credentials(staging: Path, memory_url: str) -> None:
     from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
 

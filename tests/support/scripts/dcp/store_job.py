@@ -4,7 +4,7 @@ tests/plugins/io/test_s3_sharded.py under torchrun; the store's address comes in
 ``store_job.py URL OUT save``: train ``job_model()`` 3 AdamW steps, ``fabric.save(URL/sync)``; one more step,
 ``fabric.save(URL/async, async_save=True)``; references of both states, gathered (``OUT/ref-sync.pt``,
 ``OUT/ref-async.pt``). Then one more step and a save to ``URL/sync`` again, in which rank 1's upload of its
-data file fails half-way (``OUT/failed-rank{R}.txt``: the error each rank raised); then fresh objects load
+data file fails after 100 kB (``OUT/failed-rank{R}.txt``: the error each rank raised); then fresh objects load
 ``URL/sync``: they must hold the first save's values (``OUT/after-failure.pt``).
 ``store_job.py URL OUT load NAME...``: fresh objects load each ``URL/NAME`` (``OUT/loaded-NAME.pt``, gathered).
 """
@@ -49,22 +49,30 @@ def save_on_rank_zero(fabric: Fabric, obj, path: Path) -> None:
         torch.save(obj, path)
 
 
-def failing_upload(original):
-    """``storage.upload_file`` that sends half of a data file, then fails (the rest of the save goes on as usual)."""
+def failing_data_uploads(original):
+    """``storage.write_object`` that sends the first 100 kB of a data file, then fails as a dropped connection would."""
 
-    def upload(fs, local, path, where, items=None):
-        if items is None:
-            return original(fs, local, path, where, items)
-        from fabric.plugins.io.storage import write_object
+    def write_object(fs, path, produce, where):
+        if not path.endswith(".distcp"):
+            return original(fs, path, produce, where)
 
-        def produce(file) -> None:
-            data = Path(local).read_bytes()
-            file.write(data[: len(data) // 2])
-            raise OSError("injected: the connection dropped mid-upload")
+        def cut(file) -> None:
+            class Cut:
+                sent = 0
 
-        return write_object(fs, path, produce, where)
+                def write(self, data) -> int:
+                    view = memoryview(data).cast("B")
+                    file.write(view[: max(0, 100_000 - self.sent)])
+                    self.sent += len(view)
+                    if self.sent >= 100_000:
+                        raise OSError("injected: the connection dropped mid-upload")
+                    return len(view)
 
-    return upload
+            produce(Cut())
+
+        return original(fs, path, cut, where)
+
+    return write_object
 
 
 def main() -> None:
@@ -86,7 +94,7 @@ def main() -> None:
         from fabric.plugins.io import storage
 
         if fabric.global_rank == 1:
-            storage.upload_file = failing_upload(storage.upload_file)
+            storage.write_object = failing_data_uploads(storage.write_object)
         try:
             fabric.save(f"{url}/sync", {"model": model, "optimizer": optimizer, "step": 5})
         except Exception as err:  # every rank must raise
