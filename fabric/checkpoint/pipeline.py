@@ -152,8 +152,9 @@ def _load(
     host: CheckpointHost, path: str | Path, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
-    check_loadable(path)  # before anything opens it: a FIFO would block forever
-    remove_abandoned(path)  # what killed saves of this checkpoint left behind, where the writer is gone
+    if not is_url(path):  # (a store has no FIFOs, and a cut save there leaves objects the next save removes)
+        check_loadable(path)  # before anything opens it: a FIFO would block forever
+        remove_abandoned(path)  # what killed saves of this checkpoint left behind, where the writer is gone
     if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
         from fabric.checkpoint.sharded_folder import load_sharded
 

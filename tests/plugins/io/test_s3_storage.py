@@ -343,6 +343,28 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
     assert_same(loaded, single)
 
 
+@pytest.mark.timeout(300)
+def test_two_process_model_parallel_sharded_checkpoint_on_the_bucket(bucket: str, tmp_path) -> None:
+    """ModelParallelStrategy (tensor parallel over 2 processes) saves its DCP shards to the bucket and loads them back;
+    a plain module in this process loads them too (2 -> 1)."""
+    from fabric.checkpoint.sharded_folder import load_sharded
+    from support.scripts.sharding.model import make_net
+
+    out = tmp_path / "out"
+    out.mkdir()
+    store_job(f"{bucket}/run", out, "tp", tmpdir=tmp_path / "tmp")
+    reference = torch.load(out / "ref-tp.pt", weights_only=True)
+    loaded = torch.load(out / "loaded-tp.pt", weights_only=True)
+    assert loaded["step"] == 2
+    assert_same(loaded, reference)
+    model = make_net(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    load_sharded(f"{bucket}/run/tp", state)
+    assert state["step"] == 2
+    assert_holds(model, optimizer, reference)
+
+
 def sharded_url_and_state(bucket: str, name: str = "sharded", seed: int = 5) -> tuple[str, nn.Module, torch.optim.Optimizer]:
     """A sharded checkpoint saved on the bucket by one process (no process group), with what it holds."""
     from fabric.checkpoint.sharded_folder import save_sharded

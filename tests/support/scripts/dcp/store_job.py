@@ -7,6 +7,9 @@ tests/plugins/io/test_s3_sharded.py under torchrun; the store's address comes in
 data file fails after 100 kB (``OUT/failed-rank{R}.txt``: the error each rank raised); then fresh objects load
 ``URL/sync``: they must hold the first save's values (``OUT/after-failure.pt``).
 ``store_job.py URL OUT load NAME...``: fresh objects load each ``URL/NAME`` (``OUT/loaded-NAME.pt``, gathered).
+``store_job.py URL OUT tp``: ``ModelParallelStrategy`` (tensor parallel over the 2 ranks) trains the residual MLP
+of the sharding jobs 2 steps, saves to ``URL/tp`` (``OUT/ref-tp.pt``), and fresh objects load it
+(``OUT/loaded-tp.pt``).
 """
 
 from __future__ import annotations
@@ -75,9 +78,37 @@ def failing_data_uploads(original):
     return write_object
 
 
+def tensor_parallel(url: str, out_path: Path) -> None:
+    from fabric.strategies import ModelParallelStrategy
+    from support.scripts.sharding.model import make_net, parallelize
+
+    strategy = ModelParallelStrategy(parallelize_fn=parallelize, data_parallel_size=1, tensor_parallel_size=2)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+
+    def objects(seed: int):
+        model = fabric.setup_module(make_net(seed))
+        return model, fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
+
+    model, optimizer = objects(seed=0)
+    for _ in range(2):
+        fabric.backward(model(torch.randn(8, 8, generator=torch.Generator().manual_seed(0))).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    fabric.save(f"{url}/tp", {"model": model, "optimizer": optimizer, "step": 2})
+    save_on_rank_zero(fabric, gathered(model, optimizer), out_path / "ref-tp.pt")
+    fresh, fresh_optimizer = objects(seed=1)
+    state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    fabric.load(f"{url}/tp", state)
+    save_on_rank_zero(fabric, {**gathered(fresh, fresh_optimizer), "step": state["step"]}, out_path / "loaded-tp.pt")
+
+
 def main() -> None:
     url, out, mode, *names = sys.argv[1:]
     out_path = Path(out)
+    if mode == "tp":
+        tensor_parallel(url, out_path)
+        return
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
     fabric.launch()
     if mode == "save":
