@@ -140,12 +140,35 @@ class _UploadingFileSystem(FileSystem):
             os.close(fd)
 
 
-class _RecordingWriter(FileSystemWriter):
-    """torch's file-system writer (unsynced, over ``fs``) that keeps where it put each item: the rank's part
-    of the index, known before rank 0 writes the index."""
+# A rank's part is written as up to this many data files, by as many of torch's writer threads, each uploaded
+# while it is written: one object store upload is one stream of sequential part uploads, so several in flight
+# (measured: 4 files per rank, 0.52x the time of 1 on the local S3 server) are what makes a save fast; a part
+# under _BYTES_PER_FILE per file is one file. (A local folder keeps one file per rank: its spare is reused.)
+_MAX_FILES = 4
+_BYTES_PER_FILE = 16 << 20
 
-    def __init__(self, path: Path, fs: _UploadingFileSystem) -> None:
-        super().__init__(path, sync_files=False)
+
+def _files_for(nbytes: int) -> int:
+    return max(1, min(_MAX_FILES, nbytes // _BYTES_PER_FILE))
+
+
+def _local_bytes(tensors: dict[str, Tensor]) -> int:
+    """The bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in tensors.values():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+class _RecordingWriter(FileSystemWriter):
+    """torch's file-system writer (unsynced, over ``fs``, ``files`` data files written by as many threads) that
+    keeps where it put each item: the rank's part of the index, known before rank 0 writes the index."""
+
+    def __init__(self, path: Path, fs: _UploadingFileSystem, files: int) -> None:
+        super().__init__(path, sync_files=False, thread_count=files)
         self.fs = fs
         self.written: list[Any] = []  # torch's _StorageInfo (file, offset, length) of each item
 
@@ -175,13 +198,14 @@ def save_to_store(url: str, generation: str, tensors: dict[str, Tensor], objects
         except Exception as err:  # this rank still writes its part (the save is a collective), then reports it
             unreachable = err
         files = _UploadingFileSystem(start)
-        writer = _RecordingWriter(staging, files)
+        nbytes = _local_bytes(tensors)
+        writer = _RecordingWriter(staging, files, _files_for(nbytes))
         try:
             with quiet_single_process():
                 dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
         except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
             part: dict[str, Any] = {"error": f"writing the shards into the local staging folder failed {first_failure(err)}"}
-            full = out_of_space(staging, sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
+            full = out_of_space(staging, nbytes)
             if full is not None:
                 part["error"] = f"{full} (set TMPDIR to a folder with room); {part['error']}"
         else:
@@ -352,20 +376,39 @@ class StoreFolder:
     def fetch(self, needed: dict[str, list[tuple[int, int, str]]]) -> None:
         """Bring the items ``needed`` (by data file: offset, length, entry) into the staging folder, each checked
         against its CRC-32 in the commit record; a data file now there whole is also checked against the records
-        digest the objects file keeps for it (as a local folder's files are)."""
+        digest the objects file keeps for it (as a local folder's files are). Up to four data files are fetched
+        at once (a store serves parallel GETs faster than one stream); the first file's error, in name order,
+        is raised."""
+        from concurrent.futures import ThreadPoolExecutor
+
         fs, path, record = self._store()
+        work = []
         for name, items in sorted(needed.items()):
             crcs = self._crcs.get(name)
             if crcs is None:
                 raise storage.CommitRecordError(f"Checkpoint {self.shown!r}: its index places items in {name!r}, which the commit record does not list")
             have = self._fetched.setdefault(name, set())
             missing = [item for item in items if (item[0], item[1]) not in have]
-            if not missing:
-                continue
             unknown = [item for item in missing if (item[0], item[1]) not in crcs]
             if unknown:
                 raise storage.CommitRecordError(f"Checkpoint {self.shown!r}: {unknown[0][2]!r} is not an item the index places in {name!r}")
+            if missing:
+                work.append((name, missing, crcs))
+
+        def fetch(name: str, missing: list[tuple[int, int, str]], crcs: dict[tuple[int, int], int]) -> None:
             storage.fetch_items(fs, path, record, name, self.url, self.folder / name, missing, crcs)
+
+        if len(work) > 1:
+            with ThreadPoolExecutor(max_workers=min(_MAX_FILES, len(work)), thread_name_prefix="fabric-fetch") as pool:
+                futures = [pool.submit(fetch, *job) for job in work]
+                errors = [future.exception() for future in futures]
+            for error in errors:
+                if error is not None:
+                    raise error
+        elif work:
+            fetch(*work[0])
+        for name, missing, crcs in work:
+            have = self._fetched[name]
             have.update((offset, length) for offset, length, _ in missing)
             if len(have) == len(crcs) and self._binding is not None:
                 index, save_id, recorded = self._binding

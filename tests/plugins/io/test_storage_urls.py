@@ -458,6 +458,35 @@ def test_damaged_sharded_object_refused_naming_it_nothing_changed(staging: Path,
         load_sharded(url)  # the whole read too
 
 
+def test_a_part_written_as_several_files_uploads_and_fetches_them_at_once(
+    staging: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big part is written as up to 4 data files, each uploaded as it is written, fetched in parallel on load;
+    one damaged file among them is still refused naming it, nothing changed."""
+    from fabric.checkpoint import sharded_store
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    monkeypatch.setattr(sharded_store, "_BYTES_PER_FILE", 32 << 10)
+    net, optimizer = sharded_pair(seed=1)
+    url = f"{memory_url}/sharded"
+    save_sharded(url, {"model": net, "optimizer": optimizer, "step": 3})
+    fs, prefix, names = generation_objects(url)
+    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "__0_3.distcp", "fabric-objects.pt"]
+    fresh, fresh_optimizer = sharded_pair(seed=2)
+    state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    load_sharded(url, state)
+    assert state["step"] == 3 and same(fresh.state_dict(), net.state_dict())
+    assert same(fresh_optimizer.state_dict()["state"][2], optimizer.state_dict()["state"][2])
+    data = bytearray(fs.cat_file(f"{prefix}/__0_2.distcp"))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(f"{prefix}/__0_2.distcp", bytes(data))
+    other, other_optimizer = sharded_pair(seed=4)
+    before = copies(other.state_dict())
+    with pytest.raises(RuntimeError, match=r"__0_2\.distcp.*do not match the CRC-32"):
+        load_sharded(url, {"model": other, "optimizer": other_optimizer})
+    assert same(other.state_dict(), before)
+
+
 def test_sharded_checkpoint_without_its_commit_record_is_not_found(staging: Path, memory_url: str) -> None:
     from fabric.checkpoint.sharded_folder import save_sharded
 

@@ -1,7 +1,8 @@
 """One rank of a 2-process ``strategy="fsdp"`` job that saves sharded checkpoints to a store (started by
 tests/plugins/io/test_s3_sharded.py under torchrun; the store's address comes in the environment).
 
-``store_job.py URL OUT save``: train ``job_model()`` 3 AdamW steps, ``fabric.save(URL/sync)``; one more step,
+``store_job.py URL OUT save``: train ``job_model()`` 3 AdamW steps (each rank's part is written as 4 data files, as a
+large model's is), ``fabric.save(URL/sync)``; one more step,
 ``fabric.save(URL/async, async_save=True)``; references of both states, gathered (``OUT/ref-sync.pt``,
 ``OUT/ref-async.pt``). Then one more step and a save to ``URL/sync`` again, in which rank 1's upload of its
 data file fails after 100 kB (``OUT/failed-rank{R}.txt``: the error each rank raised); then fresh objects load
@@ -112,6 +113,9 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
     fabric.launch()
     if mode == "save":
+        import fabric.checkpoint.sharded_store as sharded_store
+
+        sharded_store._BYTES_PER_FILE = 64 << 10  # each rank writes (and uploads at once) 4 data files, as a big model's
         model, optimizer = build(fabric, seed=1)
         for _ in range(3):
             step(fabric, model, optimizer)
