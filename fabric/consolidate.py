@@ -4,6 +4,10 @@ Runs in this one process, without starting a job: every tensor is read whole fro
 result is what ``state_dict_type="full"`` writes: plain ``torch.load`` reads it (safely, with
 ``weights_only=True``), optimizer states are in ``Optimizer.state_dict()``'s numbered form, and the
 non-tensor entries (step counters, loader states, ...) are kept. The file is written atomically.
+
+Either side may be a URL (``s3://bucket/run/ckpt``, any fsspec store): a sharded checkpoint saved there is
+read through its commit record (every object checked against it, fetched into a local staging folder that
+is removed afterwards), and a file written there is committed the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool 
     if not is_sharded_checkpoint(checkpoint_dir):
         found = storage.exists(str(checkpoint_dir)) if storage.is_url(checkpoint_dir) else Path(checkpoint_dir).exists()
         what = "does not exist" if not found else "is not a sharded checkpoint folder"
+        if found and storage.is_url(checkpoint_dir):
+            what = "is not a sharded checkpoint (its commit record is of another kind, or missing)"
         raise ValueError(f"{shown!r} {what}; {PROG} takes a folder written by a sharded save")
     if storage.is_url(out) or storage.is_url(checkpoint_dir):
         if str(out).rstrip("/") == str(checkpoint_dir).rstrip("/"):
@@ -42,8 +48,8 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool 
 def main(argv: Sequence[str], prog: str = PROG) -> int:
     """``prog``: the command as the user called it (``fabric-torch consolidate``, ``python -m fabric consolidate``)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0].split(": ", 1)[1])
-    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="folder written by a sharded save")
-    parser.add_argument("out", metavar="OUT.pt", help="the single file to write")
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="folder (or URL) written by a sharded save")
+    parser.add_argument("out", metavar="OUT.pt", help="the single file to write (a path or a URL)")
     parser.add_argument(
         "--unsafe-load",
         action="store_true",
@@ -55,5 +61,8 @@ def main(argv: Sequence[str], prog: str = PROG) -> int:
     except (ValueError, OSError, RuntimeError, ImportError) as err:  # ImportError: a URL's storage library is missing
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
-    print(f"{prog}: wrote {args.out} ({', '.join(sorted(map(str, checkpoint)))})")
+    from fabric.plugins.io.storage import is_url, redact
+
+    shown = redact(args.out) if is_url(args.out) else args.out
+    print(f"{prog}: wrote {shown} ({', '.join(sorted(map(str, checkpoint)))})")
     return 0

@@ -15,7 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Outcome", "agree_in_group", "broadcast_in_group", "on_every_rank", "on_rank_zero", "rank_in_group"]
+__all__ = [
+    "Outcome",
+    "agree_in_group",
+    "broadcast_in_group",
+    "gather_in_group",
+    "on_every_rank",
+    "on_rank_zero",
+    "rank_in_group",
+]
 
 T = TypeVar("T")
 
@@ -49,8 +57,10 @@ class Outcome:
         raise error
 
 
-def on_rank_zero(step: Callable[[], T], *, rank: int, broadcast: Callable[[Any], Any]) -> T:
-    """Run ``step`` on rank 0 only; every rank returns its value or raises its error. A collective."""
+def on_rank_zero(
+    step: Callable[[], T], *, rank: int, broadcast: Callable[[Any], Any], origin: str = "Rank 0 failed to save the checkpoint"
+) -> T:
+    """Run ``step`` on rank 0 only; every rank returns its value or raises its error (after ``origin``). A collective."""
     outcome, error = Outcome(), None
     if rank == 0:
         try:
@@ -60,7 +70,7 @@ def on_rank_zero(step: Callable[[], T], *, rank: int, broadcast: Callable[[Any],
     outcome = broadcast(outcome)
     if error is not None:
         raise error
-    return outcome.result()
+    return outcome.result(origin)
 
 
 def on_every_rank(
@@ -120,6 +130,18 @@ def broadcast_in_group(obj: Any, group: Any = None) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, group=group, group_src=0)
     return holder[0]
+
+
+def gather_in_group(obj: Any, group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 of ``group``, in rank order (None on the other ranks); ``[obj]`` without a
+    process group. A collective (objects: the group's device is torch's business, as in :func:`agree_in_group`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [obj]
+    gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(obj, gathered, group=group, group_dst=0)
+    return gathered
 
 
 def rank_in_group(group: Any = None) -> int:

@@ -98,9 +98,12 @@ def save_in_background(checkpoint_io: Any, checkpoint: dict[str, Any], path: Any
     from lightning_utilities.core.apply_func import apply_to_collection
     from torch import Tensor
 
+    from fabric._core.urls import is_url, redact
+
     staged = apply_to_collection(checkpoint, Tensor, lambda tensor: tensor.detach().to("cpu", copy=True))
     return start_background_save(
-        lambda: checkpoint_io.save_checkpoint(staged, path, storage_options=storage_options), repr(str(path))
+        lambda: checkpoint_io.save_checkpoint(staged, path, storage_options=storage_options),
+        repr(redact(path) if is_url(path) else str(path)),  # printed and raised: never a URL's credentials
     )
 
 

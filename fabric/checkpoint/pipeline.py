@@ -35,7 +35,7 @@ from fabric.checkpoint.stateful import SAVED_RANKS_KEY
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned, remove_abandoned_once
 from fabric.plugins.io.single_file import CheckpointLoadError
-from fabric.plugins.io.storage import is_url
+from fabric.plugins.io.storage import is_url, redact
 
 __all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]
 
@@ -103,14 +103,6 @@ def save(
         if checkpoint_format == "sharded":
             from fabric.checkpoint.sharded_folder import save_sharded
 
-            if is_url(path):  # before anything is written: never a local folder named after the URL
-                from fabric.plugins.io.storage import redact
-
-                raise NotImplementedError(
-                    f"Sharded checkpoints cannot be saved to a URL yet ({redact(str(path))!r}); save a full checkpoint"
-                    " there (FSDPStrategy(state_dict_type='full')) or a sharded one to a local or shared folder"
-                )
-
             save_sharded(path, state, filter=filter, async_save=async_save)
             return
         if async_save:
@@ -161,14 +153,16 @@ def _load(
     host: CheckpointHost, path: str | Path, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
-    check_loadable(path)  # before anything opens it: a FIFO would block forever
-    remove_abandoned(path)  # what killed saves in this checkpoint's folder left, where the writer is gone
+    if not is_url(path):  # (a store has no FIFOs, and a cut save there leaves objects the next save removes)
+        check_loadable(path)  # before anything opens it: a FIFO would block forever
+        remove_abandoned(path)  # what killed saves in this checkpoint's folder left, where the writer is gone
     if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
         from fabric.checkpoint.sharded_folder import load_sharded
 
         if isinstance(state, (Module, Optimizer)):
+            shown = redact(str(path)) if is_url(path) else str(path)
             raise TypeError(
-                f"{str(path)!r} is a sharded checkpoint folder; load it with fabric.load(path, {{'model': model, ...}})"
+                f"{shown!r} is a sharded checkpoint folder; load it with fabric.load(path, {{'model': model, ...}})"
                 " rather than load_raw()"
             )
         return load_sharded(path, state, strict=strict, weights_only=weights_only)

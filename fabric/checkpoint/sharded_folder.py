@@ -3,7 +3,9 @@
 The folder holds ``torch.distributed.checkpoint`` data files and index (tensors only) plus
 ``fabric-objects.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
 entries that are neither modules nor optimizers, and where each tensor belongs (see
-``layout``). It is written into a temporary folder and published whole (``fabric.plugins.io.publish``).
+``layout``). It is written into a temporary folder and published whole (``fabric.plugins.io.publish``);
+on a store (a URL) it is written and read through local staging folders and committed by a record
+(``sharded_store``), the same files with the same checks.
 Loading reshards to whatever layout the target objects have: 2 -> 4 processes, sharded -> a plain
 module in one process, and back.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -45,6 +47,11 @@ from fabric.plugins.io.safe_reader import (
     read_index,
 )
 from fabric.plugins.io.single_file import CheckpointLoadError, safe_load
+from fabric.plugins.io.storage import is_url, local_or_url, redact
+
+if TYPE_CHECKING:
+    from fabric.checkpoint.sharded_store import StoreFolder
+    from fabric.plugins.io.safe_reader import Fetch
 
 FORMAT = "fabric-sharded-checkpoint"
 VERSION = 1
@@ -68,10 +75,22 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
+    path = local_or_url(path)  # file://... is the local folder
     entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, filter)
     kinds = {key: layout.kind_of(obj) for key, obj in state.items()}
     skeleton, tensors, paths = layout.split_tensors(entries, kinds)
     objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
+    if is_url(path):  # a store: staged locally, uploaded, committed by a record (sharded_store)
+        from fabric.checkpoint.sharded_store import agree_on_generation, save_to_store
+
+        url = str(path)
+        generation = agree_on_generation(url, group=None)
+        if async_save:
+            staged = {flat: layout.plain_copy(tensor) for flat, tensor in tensors.items()}
+            group = background_group()
+            return start_background_save(lambda: save_to_store(url, generation, staged, objects, group), repr(redact(url)))
+        save_to_store(url, generation, tensors, objects, group=None)
+        return finished()
     token = _agree_on_token(path, group=None)
     if async_save:
         staged = {flat: layout.plain_copy(tensor) for flat, tensor in tensors.items()}
@@ -163,6 +182,9 @@ def load_sharded(
     ``state`` the whole checkpoint is returned with full tensors.
     """
     wait_for_pending_save()
+    path = local_or_url(path)  # file://... is the local folder
+    if is_url(path):
+        return _load_from_store(str(path), state, strict, weights_only)
     if Path(path).is_file():
         from fabric.checkpoint.full_file import load_full
 
@@ -179,15 +201,21 @@ def load_sharded(
             raise TypeError(f"Loading the sharded checkpoint {str(path)!r} needs a dict of states, got a {type(state).__name__}")
         source = FullFile(path, state, weights_only, read_file=lambda: read_lightning_folder(path, weights_only))
         return restore(source, state, strict=strict, agree=agree_in_group)
+    return _load_folder(path, state, strict, weights_only)
+
+
+def _load_folder(
+    path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool | None, store: StoreFolder | None = None
+) -> dict[str, Any]:
     if state is None:
-        folder = ShardedFolder(path, {}, weights_only)
-        return read_full(folder.folder, folder.objects, folder.index, keys=list(folder.keys()))
+        folder = ShardedFolder(path, {}, weights_only, store=store)
+        return read_full(folder.folder, folder.objects, folder.index, keys=list(folder.keys()), fetch=folder.fetch)
     if not isinstance(state, dict):
         raise TypeError(
             f"Loading the sharded checkpoint {str(path)!r} needs a dict of states such as"
             f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
         )
-    folder = ShardedFolder(path, state, weights_only, agreed=True)
+    folder = ShardedFolder(path, state, weights_only, agreed=True, store=store)
     try:
         return restore(folder, state, strict=strict, agree=agree_in_group)
     except BaseException:
@@ -195,14 +223,33 @@ def load_sharded(
         raise
 
 
+def _load_from_store(url: str, state: dict[str, Any] | None, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+    """A sharded checkpoint committed on a store, loaded through a local staging folder (``sharded_store``)."""
+    from fabric.checkpoint.sharded_store import StoreFolder, agree_on_record
+
+    # a load into objects is a collective: every rank reads the generation rank 0 found (one checkpoint for all)
+    record = agree_on_record(url) if state is not None else None
+    store = StoreFolder(url, record)
+    try:
+        with store.naming():
+            return _load_folder(store.shown, state, strict, weights_only, store)
+    finally:
+        store.close()
+
+
 class ShardedFolder:
     """A folder of shards as an ``EntrySource``: checks from its index alone, reads into new storage of the
     target's layout (any number of processes), hands the values to torch's distributed state-dict API."""
 
-    def __init__(self, path: str | Path, state: dict[str, Any], weights_only: bool | None, agreed: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, state: dict[str, Any], weights_only: bool | None, agreed: bool = False, store: StoreFolder | None = None
+    ) -> None:
         """``agreed``: opened inside the load walk's first agreement (``restore``), so the ranks can share
-        the checks of the data files' digests (any rank's refusal reaches every rank)."""
+        the checks of the data files' digests (any rank's refusal reaches every rank). ``store``: the
+        checkpoint is on a store (``path`` is then its URL as messages show it), fetched as it is read."""
         self.path = path
+        self._store = store
+        self.fetch: Fetch | None = store.fetch if store is not None else None
         self._agreed = agreed
         self._state = state
         self._weights_only = weights_only
@@ -212,12 +259,15 @@ class ShardedFolder:
 
     def _open(self) -> tuple[Path, dict[str, Any], Any]:
         if self._opened is None:
-            folder = publish.resolve_for_load(self.path)
+            folder = self._store.open() if self._store is not None else publish.resolve_for_load(self.path)
             objects = read_objects(folder, self._weights_only)
             check_index_crc(folder, objects.get("index_crc32"))
             index = read_index(folder)
-            share = _rank_and_world_size() if self._agreed else None
-            check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
+            if self._store is not None:  # the data files are fetched as they are read, each checked then
+                self._store.check_binding(index, objects)
+            else:
+                share = _rank_and_world_size() if self._agreed else None
+                check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
             self._opened = (folder, objects, index)
         return self._opened
 
@@ -301,12 +351,12 @@ class ShardedFolder:
                 in_place = fresh and storage not in taken
                 taken.add(storage)
                 staged[flat] = target if in_place else torch.empty_like(target)
-        _read_tensors(self.folder, staged)
+        _read_tensors(self.folder, staged, fetch=self.fetch)
         values = {
             key: layout.fill(skeleton[key], staged, paths, key) if key in self._targets else skeleton[key] for key in present
         }
         rest = [key for key in skeleton if key not in present]
-        return values, read_full(self.folder, self.objects, self.index, keys=rest)
+        return values, read_full(self.folder, self.objects, self.index, keys=rest, fetch=self.fetch)
 
     def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -342,10 +392,11 @@ def _parameters_and_buffers(objects: Any) -> list[Tensor]:
     return found
 
 
-def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False) -> None:
+def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False, fetch: Fetch | None = None) -> None:
     """Fill ``destinations`` (flat key -> tensor or DTensor of any layout, new storage made for this load)
     from the folder's shards; a destination laid out as one saved chunk is read straight into, one that a
-    chunk fills whole in another layout takes that chunk's storage."""
+    chunk fills whole in another layout takes that chunk's storage. ``fetch``: brings the items read into
+    the folder first (``SafeFileSystemReader``)."""
     import torch.distributed.checkpoint as dcp
 
     if not destinations:
@@ -353,7 +404,7 @@ def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = Fa
     try:
         with quiet_single_process(), torch.no_grad():  # (see _local)
             staging = [_local(tensor) for tensor in destinations.values()]
-            reader = SafeFileSystemReader(folder, staging=staging)
+            reader = SafeFileSystemReader(folder, staging=staging, fetch=fetch)
             dcp.load(destinations, storage_reader=reader, no_dist=full or not _distributed())
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
         raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
@@ -376,7 +427,7 @@ def read_objects(folder: Path, weights_only: bool | None = None) -> dict[str, An
     return objects
 
 
-def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str]) -> dict[str, Any]:
+def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str], fetch: Fetch | None = None) -> dict[str, Any]:
     """The entries ``keys`` with full tensors, as ``state_dict_type="full"`` would have written them.
 
     Every tensor is read whole into this process (no process group needed); optimizer states come
@@ -388,7 +439,7 @@ def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str]
     for flat in wanted:
         saved = index.state_dict_metadata[flat]
         destinations[flat] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
-    _read_tensors(folder, destinations, full=True)
+    _read_tensors(folder, destinations, full=True, fetch=fetch)
     result = {}
     for key in keys:
         value = layout.fill(skeleton[key], destinations, wanted, key) if kinds[key] != OTHER else skeleton[key]

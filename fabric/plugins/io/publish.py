@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from fabric._core.processes import process_alive
-from fabric.plugins.io.storage import is_url
+from fabric.plugins.io.storage import is_url, local_or_url
 
 _TEMP_PREFIX = ".fabric-tmp-"
 
@@ -500,8 +500,17 @@ def commit_folder(temp: Path, path: str | Path, token: str) -> None:
 
 
 def resolve_for_load(path: str | Path) -> Path:
-    """``path`` if it exists, else the previous checkpoint a save cut mid-commit left aside."""
-    path = Path(path)
+    """``path`` if it exists, else the previous checkpoint a save cut mid-commit left aside.
+
+    Local folders only: a checkpoint on a store has no aside copy, its commit record names what is loaded
+    (``storage.read_committed``), so a URL is refused here rather than looked up as a local path."""
+    if is_url(path):
+        from fabric.plugins.io.storage import redact
+
+        raise ValueError(
+            f"{redact(str(path))!r} is a URL: a checkpoint on a store is found through its commit record, not on the local disk"
+        )
+    path = Path(local_or_url(path))
     if _exists(path):
         return path
     asides = _siblings(path, ASIDE_PREFIX)
@@ -511,7 +520,9 @@ def resolve_for_load(path: str | Path) -> Path:
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` (or the previous checkpoint a cut save left aside) is a sharded checkpoint folder."""
+    """Whether ``path`` (or the previous checkpoint a cut save left aside) is a sharded checkpoint folder; for a
+    URL, whether the store holds the commit record of a sharded checkpoint there."""
+    path = local_or_url(path)
     if is_url(path):
         from fabric.plugins.io.storage import is_sharded
 

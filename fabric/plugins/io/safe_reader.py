@@ -18,7 +18,7 @@ import os
 import pickle
 import stat
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -63,22 +63,34 @@ class _IndexUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused global {module}.{name} (not part of a checkpoint index)")
 
 
+Fetch = Callable[[dict[str, list[tuple[int, int, str]]]], None]
+
+
 class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose index is unpickled with an allow-list (see the module docstring), and which
     checks the CRC-32 of every item as it reads it (``integrity``), naming the file and the entry.
 
     ``staging``: tensors (plain, or the local tensors of DTensors) that the caller made for this load alone;
     an item that fills one of them whole hands it its loaded storage (``Tensor.set_``) instead of a copy.
+    ``fetch``: called before anything is read with the items this rank's plan reads, by data file
+    (``{name: [(offset, length, entry), ...]}``), to bring them into the folder first (a checkpoint on a store).
     """
 
-    def __init__(self, path: str | Path, staging: Iterable[Tensor] = ()) -> None:
+    def __init__(self, path: str | Path, staging: Iterable[Tensor] = (), fetch: Fetch | None = None) -> None:
         super().__init__(path)
         self._staging = {id(tensor): tensor for tensor in staging}
+        self._fetch = fetch
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_index(self.path, load_id=self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._fetch is not None:
+            needed: dict[str, list[tuple[int, int, str]]] = {}
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                needed.setdefault(info.relative_path, []).append((info.offset, info.length, item.storage_index.fqn))
+            self._fetch(needed)
         by_file: dict[str, list[ReadItem]] = {}
         other = []
         for item in plan.items:
@@ -163,12 +175,14 @@ def check_index_crc(folder: Path, expected: int | None) -> None:
         )
 
 
-def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] | None = None) -> None:
+def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] | None = None, only: set[str] | None = None) -> None:
     """Every data file the index names exists and holds the byte ranges the index gives it: checked from
     file sizes alone, before any data is read. ``written``: each file's size as the save recorded it, named
-    when a file is too short (it may be another save's rather than truncated)."""
+    when a file is too short (it may be another save's rather than truncated). ``only``: just these files."""
     needed: dict[str, tuple[int, str]] = {}
     for index, info in (metadata.storage_data or {}).items():
+        if only is not None and info.relative_path not in only:
+            continue
         end = info.offset + info.length
         if end > needed.get(info.relative_path, (-1, ""))[0]:
             needed[info.relative_path] = (end, index.fqn)
@@ -209,8 +223,14 @@ def data_files_of(folder: Path, metadata: Metadata, only: set[str] | None = None
     CRCs unless it holds the same bytes. Items torch stored transformed (compressed: never by fabric) carry
     no archive and are left out. ``only``: just these files.
     """
+    return data_files_written(folder, (metadata.storage_data or {}).values(), only)
+
+
+def data_files_written(folder: str | Path, infos: Iterable[Any], only: set[str] | None = None) -> dict[str, dict[str, int]]:
+    """:func:`data_files_of` from the storage records (``_StorageInfo``: file, offset, length) of the items a
+    writer wrote, before there is an index (each rank of a save to a store digests its own files)."""
     archives: dict[str, list[tuple[int, int]]] = {}
-    for info in (metadata.storage_data or {}).values():
+    for info in infos:
         if only is not None and info.relative_path not in only:
             continue
         spans = archives.setdefault(info.relative_path, [])
@@ -226,7 +246,12 @@ def data_files_of(folder: Path, metadata: Metadata, only: set[str] | None = None
 
 
 def check_data_files_belong(
-    folder: Path, metadata: Metadata, save_id: str | None, recorded: Any, share: tuple[int, int] | None = None
+    folder: Path,
+    metadata: Metadata,
+    save_id: str | None,
+    recorded: Any,
+    share: tuple[int, int] | None = None,
+    only: set[str] | None = None,
 ) -> None:
     """Every data file the index names exists (``check_data_files``) and is the one the save recorded in the
     objects file: same name, size and records' CRC-32s (``data_files_of``), checked before anything is read;
@@ -235,7 +260,8 @@ def check_data_files_belong(
     A folder saved before fabric recorded its data files (``recorded`` is None) is loaded with only the
     index's checks, and said so once per process. ``share``: ``(rank, world_size)`` when the ranks agree on
     the outcome afterwards: each rank then reads the digests of every ``world_size``-th file only, so a
-    job's ranks read each directory once between them rather than once each.
+    job's ranks read each directory once between them rather than once each. ``only``: check just these
+    files (those a load from a store fetched whole), and no other file's presence.
     """
     if recorded is None:
         say_once_unbound(folder)
@@ -245,7 +271,7 @@ def check_data_files_belong(
         raise CheckpointLoadError(f"Checkpoint {str(folder)!r} is damaged: {OBJECTS_FILE!r} holds no valid list of data files")
     this_save = f"the save that wrote {OBJECTS_FILE!r} and {METADATA_FILE!r} (save {save_id})"
     named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    for name in sorted(set(recorded) - named):
+    for name in sorted(set(recorded) - named) if only is None else ():
         if not (Path(folder) / name).is_file():
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} is incomplete: its data file {name!r}, written by {this_save}, is missing"
@@ -257,7 +283,9 @@ def check_data_files_belong(
             f" not written by {this_save}"
         )
     written = {name: entry.get("bytes") for name, entry in recorded.items()}
-    check_data_files(folder, metadata, written)  # missing, unreadable or too short for the index
+    if only is not None:
+        named &= only
+    check_data_files(folder, metadata, written, only)  # missing, unreadable or too short for the index
     for name in sorted(named):  # sizes before digests: cheap, and the clearest reason
         size = (Path(folder) / name).stat().st_size
         if size != written[name]:

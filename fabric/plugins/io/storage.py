@@ -12,17 +12,25 @@ and lists every object with its size and CRC-32. A load reads the record first a
 whose record is missing, or whose objects are missing or differ from it; the previous checkpoint stays
 loadable until the new record is written, and older generations are removed only after it is.
 
+A sharded checkpoint (a folder of ``torch.distributed.checkpoint`` shards) is committed the same way: its
+objects (every rank's data files, the index, ``fabric-objects.pt``) go under the generation, and the record,
+of kind ``"sharded"``, also keeps the CRC-32 of every item (one tensor's archive) of each data file, in file
+order, so a load can fetch just the byte ranges its ranks read and still check every byte it uses
+(:func:`fetch_items`). Staging folders (:func:`new_staging`) hold a rank's part while it is written or read.
+
 fsspec and the storage libraries are imported on first use of a URL, never at ``import fabric``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fabric._core.urls import MissingStorageLibraryError, filesystem, is_url, local_or_url, redact, scheme_of
@@ -44,7 +52,10 @@ RECORD_FORMAT = "fabric-commit"
 RECORD_VERSION = 1
 DATA_SUFFIX = ".fabric"  # the generations of the checkpoint at URL live under URL.fabric/
 FILE_OBJECT = "checkpoint.pt"  # the one object of a single-file checkpoint
+ITEMS_KEY = "items_crc32"  # in a sharded record's entry of a data file: each item's CRC-32, in file order
 _CHUNK = 8 << 20
+_RANGE_PIECE = 32 << 20  # a fetched byte range is read in GETs of at most this many bytes
+_MAX_GAP = 1 << 20  # items of one object closer than this are fetched in one GET (the gap is read and dropped)
 
 
 class CommitRecordError(RuntimeError):
@@ -58,7 +69,9 @@ class CommitRecordError(RuntimeError):
 class Record:
     kind: str  # "file" | "sharded"
     generation: str
-    objects: dict[str, dict[str, int]]  # name (relative to the generation) -> {"size", "crc32"}
+    # name (relative to the generation) -> {"size", "crc32"} and, for a sharded checkpoint's data file,
+    # ITEMS_KEY: the CRC-32 of each item the index places in it, in the order of their offsets
+    objects: dict[str, dict[str, Any]]
 
 
 def generation_prefix(path: str, generation: str) -> str:
@@ -94,7 +107,12 @@ def read_record(fs: Any, path: str, url: str) -> Record:
             raise ValueError
         if body.get("version") != RECORD_VERSION:
             raise CommitRecordError(f"{redact(url)!r}: commit record version {body.get('version')!r} is not one this fabric reads")
-        objects = {str(name): {"size": int(item["size"]), "crc32": int(item["crc32"])} for name, item in body["objects"].items()}
+        objects: dict[str, dict[str, Any]] = {}
+        for name, item in body["objects"].items():
+            entry: dict[str, Any] = {"size": int(item["size"]), "crc32": int(item["crc32"])}
+            if ITEMS_KEY in item:
+                entry[ITEMS_KEY] = [int(crc) for crc in item[ITEMS_KEY]]
+            objects[str(name)] = entry
         return Record(str(body["kind"]), str(body["generation"]), objects)
     except (ValueError, KeyError, TypeError, AttributeError):
         raise CommitRecordError(
@@ -147,7 +165,44 @@ class _Digesting:
         pass
 
 
-def write_object(fs: Any, path: str, produce: Callable[[Any], None], where: str) -> dict[str, int]:
+class ItemDigests:
+    """The CRC-32 of each of ``spans`` (``(offset, length)``, sorted, not overlapping) of a byte stream that
+    arrives in pieces, in order (:meth:`update` with each piece and where it starts); bytes outside them are
+    not digested."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]]) -> None:
+        self.spans = list(spans)
+        self.crcs = [0] * len(self.spans)
+        self._next = 0  # the first span not yet wholly seen
+
+    def update(self, data: Any, position: int) -> None:
+        view = memoryview(data).cast("B")
+        end = position + len(view)
+        index = self._next
+        while index < len(self.spans):
+            offset, length = self.spans[index]
+            if offset >= end:
+                break
+            start, stop = max(offset, position), min(offset + length, end)
+            if start < stop:
+                self.crcs[index] = crc32(view[start - position : stop - position], self.crcs[index])
+            if offset + length <= end:
+                self._next = index + 1
+            index += 1
+
+
+def item_crcs_of_file(local: Path, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """The CRC-32 of each of ``spans`` (``(offset, length)``) of the local file ``local``, in offset order."""
+    digests = ItemDigests(sorted(spans))
+    with open(local, "rb", buffering=0) as file:
+        position = 0
+        while chunk := file.read(_CHUNK):
+            digests.update(chunk, position)
+            position += len(chunk)
+    return digests.crcs
+
+
+def write_object(fs: Any, path: str, produce: Callable[[Any], None], where: str) -> dict[str, Any]:
     """Write ``produce(file)`` into the object ``path``; its size and CRC-32. A failed write is discarded."""
     file = fs.open(path, "wb")
     try:
@@ -164,6 +219,108 @@ def write_object(fs: Any, path: str, produce: Callable[[Any], None], where: str)
         _remove_quietly(fs, path)
         raise
     return {"size": digesting.size, "crc32": digesting.crc}
+
+
+def upload_file(fs: Any, local: Path, path: str, where: str) -> dict[str, Any]:
+    """Copy the local file ``local`` to the object ``path``: its size and CRC-32, taken from the bytes sent."""
+
+    def produce(file: Any) -> None:
+        with open(local, "rb", buffering=0) as source:
+            while chunk := source.read(_CHUNK):
+                file.write(chunk)
+
+    return write_object(fs, path, produce, where)
+
+
+class GrowingUpload:
+    """The upload of a local file while it is being written: a thread sends to the object ``path`` what the
+    writer has written so far (:meth:`grew`), read back from the file, digested on its way (size, CRC-32);
+    :meth:`finish` waits for the rest and returns the digest (or raises the upload's error), :meth:`abort`
+    gives up and discards the object. Writing and uploading overlap, so a staged save costs about what the
+    slower of the two costs, not their sum."""
+
+    def __init__(self, fs: Any, local: Path, path: str, where: str) -> None:
+        import threading
+
+        self._fs, self._local, self._path, self._where = fs, local, path, where
+        self._changed = threading.Condition()
+        self._written = 0
+        self._sent = 0  # read by grew() without the lock: only a hint of when to wake the thread
+        self._closed = False
+        self._aborted = False
+        self._digest: dict[str, Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fabric-upload", daemon=True)
+        self._thread.start()
+
+    def grew(self, written: int) -> None:
+        """The file now holds ``written`` bytes."""
+        with self._changed:
+            self._written = written
+            if written - self._sent >= _CHUNK:
+                self._changed.notify()
+
+    def finish(self, written: int) -> dict[str, Any]:
+        with self._changed:
+            self._written, self._closed = written, True
+            self._changed.notify()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._digest is not None
+        return self._digest
+
+    def abort(self) -> None:
+        with self._changed:
+            self._aborted = True
+            self._changed.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._digest = write_object(self._fs, self._path, self._send, self._where)
+        except BaseException as err:
+            self._error = err
+
+    def _send(self, file: Any) -> None:
+        with open(self._local, "rb", buffering=0) as source:
+            position = 0
+            while True:
+                with self._changed:
+                    while not (self._aborted or self._closed or self._written - position >= _CHUNK):
+                        self._changed.wait()
+                    if self._aborted:
+                        raise _Aborted(self._where)
+                    end, last = self._written, self._closed
+                while position < end:
+                    chunk = os.pread(source.fileno(), min(_CHUNK, end - position), position)
+                    if not chunk:
+                        raise OSError(f"{str(self._local)!r} ended at byte {position} while {end} were written")
+                    file.write(chunk)
+                    position += len(chunk)
+                    self._sent = position
+                if last:
+                    return
+
+
+class _Aborted(Exception):
+    """The upload of a growing file was given up (the write failed)."""
+
+
+def new_staging(purpose: str) -> Path:
+    """A new private local folder for a rank's part of a sharded checkpoint on its way to or from a store
+    (in ``TMPDIR``, else the system's temporary folder); the caller removes it. ``purpose``: "save" or "load"."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{purpose}-"))
+
+
+STAGING_PREFIX = "fabric-staging-"
+
+
+def remove_object_quietly(fs: Any, path: str) -> None:
+    """Remove the object ``path`` if it can be removed; never raises."""
+    _remove_quietly(fs, path)
 
 
 def _remove_quietly(fs: Any, path: str) -> None:
@@ -214,34 +371,144 @@ def read_committed(url: str, kind: str) -> tuple[Any, str, Record]:
 def fetch_object(fs: Any, path: str, record: Record, name: str, url: str) -> int:
     """The object ``name`` of ``record`` read into an anonymous in-memory file (its descriptor), its size and
     CRC-32 checked against the record (CommitRecordError naming what differs); the caller closes it."""
-    expected = record.objects.get(name)
-    where = f"{redact(url)!r} (object {name!r} of generation {record.generation})"
-    if expected is None:
-        raise CommitRecordError(f"{where}: the commit record does not list it")
     fd = _anonymous_file()
     try:
-        size, crc = 0, 0
-        try:
-            with fs.open(f"{generation_prefix(path, record.generation)}/{name}", "rb") as source:
-                while True:
-                    chunk = source.read(_CHUNK)
-                    if not chunk:
-                        break
-                    crc = crc32(chunk, crc)
-                    size += len(chunk)
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view) :]
-        except FileNotFoundError:
-            raise CommitRecordError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
-        if size != expected["size"]:
-            raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
-        if crc != expected["crc32"]:
-            raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
+        _fetch_whole(fs, path, record, name, url, fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def fetch_to_file(fs: Any, path: str, record: Record, name: str, url: str, local: Path) -> None:
+    """The object ``name`` of ``record`` copied to the new local file ``local``, checked as :func:`fetch_object`."""
+    fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        _fetch_whole(fs, path, record, name, url, fd, local)
+    finally:
+        os.close(fd)
+
+
+def _where(url: str, record: Record, name: str) -> str:
+    return f"{redact(url)!r} (object {name!r} of generation {record.generation})"
+
+
+def _expected(record: Record, name: str, url: str) -> dict[str, Any]:
+    expected = record.objects.get(name)
+    if expected is None:
+        raise CommitRecordError(f"{_where(url, record, name)}: the commit record does not list it")
+    return expected
+
+
+def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: int, local: Path | None = None) -> None:
+    expected = _expected(record, name, url)
+    where = _where(url, record, name)
+    size, crc = 0, 0
+    try:
+        with fs.open(f"{generation_prefix(path, record.generation)}/{name}", "rb") as source:
+            while True:
+                chunk = source.read(_CHUNK)
+                if not chunk:
+                    break
+                crc = crc32(chunk, crc)
+                size += len(chunk)
+                _write_all(fd, chunk, size - len(chunk) if local is not None else None, where, local)
+    except FileNotFoundError:
+        raise CommitRecordError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
+    if size != expected["size"]:
+        raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
+    if crc != expected["crc32"]:
+        raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
+
+
+def _write_all(fd: int, data: Any, offset: int | None, where: str, local: Path | None) -> None:
+    """Write ``data`` to ``fd`` (at ``offset``, else at its position); a full local disk is named as such."""
+    view = memoryview(data).cast("B")
+    try:
+        while view:
+            written = os.write(fd, view) if offset is None else os.pwrite(fd, view, offset)
+            view = view[written:]
+            if offset is not None:
+                offset += written
+    except OSError as err:
+        if local is None or not err.strerror:
+            raise
+        raise OSError(
+            err.errno,
+            f"Cannot fetch {where} into the local staging file {str(local)!r}: {err.strerror}"
+            + (" (set TMPDIR to a folder with room for this rank's part of the checkpoint)" if err.errno == errno.ENOSPC else ""),
+        ) from None
+
+
+Item = tuple[int, int, str]  # (offset, length, what it holds: named in errors)
+
+
+def fetch_items(
+    fs: Any, path: str, record: Record, name: str, url: str, local: Path, items: Sequence[Item], crcs: dict[tuple[int, int], int]
+) -> None:
+    """Copy the byte ranges ``items`` of the data file ``name`` of a sharded checkpoint into the same offsets of
+    the local file ``local`` (created if needed; the rest of it stays a hole), each item checked against its
+    CRC-32 in ``crcs`` (from the commit record: :func:`item_crcs`). Items closer together than 1 MiB are read
+    in one GET. A missing object, one of another size, or an item whose bytes differ raises CommitRecordError
+    naming the object (and the item)."""
+    expected = _expected(record, name, url)
+    where = _where(url, record, name)
+    remote = f"{generation_prefix(path, record.generation)}/{name}"
+    try:
+        size = fs.size(remote)
+    except FileNotFoundError:
+        raise CommitRecordError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
+    if size != expected["size"]:
+        raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
+    fd = os.open(local, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        unique = {(offset, length): held for offset, length, held in items}
+        for group in _runs(sorted((offset, length, held) for (offset, length), held in unique.items())):
+            start, end = group[0][0], group[-1][0] + group[-1][1]
+            digests = ItemDigests([(offset, length) for offset, length, _ in group])
+            position = start
+            while position < end:
+                piece = fs.cat_file(remote, start=position, end=min(end, position + _RANGE_PIECE))
+                if not piece:
+                    raise CommitRecordError(f"{where} ends at byte {position}, before byte {end} the index places data up to (truncated)")
+                digests.update(piece, position)
+                _write_all(fd, piece, position, where, local)
+                position += len(piece)
+            for (offset, length, held), crc in zip(group, digests.crcs):
+                if crc != crcs[(offset, length)]:
+                    raise CommitRecordError(
+                        f"{where}: the bytes of {held!r} (bytes {offset} to {offset + length}) do not match the CRC-32 in the"
+                        " commit record (damaged, or from another save)"
+                    )
+    finally:
+        os.close(fd)
+
+
+def item_crcs(record: Record, name: str, spans: Sequence[tuple[int, int]], url: str) -> dict[tuple[int, int], int]:
+    """The CRC-32 the commit record keeps for each item of the data file ``name``, by ``(offset, length)``:
+    ``spans`` are all the items the index places in that file (the record lists their CRCs in offset order).
+    A record that keeps another number of them is refused (CommitRecordError)."""
+    expected = _expected(record, name, url)
+    crcs = expected.get(ITEMS_KEY)
+    every = sorted(set(spans))
+    if not isinstance(crcs, list) or len(crcs) != len(every):
+        raise CommitRecordError(
+            f"{_where(url, record, name)}: the commit record keeps {len(crcs) if isinstance(crcs, list) else 'no'} item"
+            f" checksums for it, the index places {len(every)} items there (the record and the index are not of one save)"
+        )
+    return dict(zip(every, crcs))
+
+
+def _runs(items: list[Item]) -> list[list[Item]]:
+    """``items`` (sorted, not overlapping) grouped into runs read by one GET: the next item starts less than
+    _MAX_GAP after the last one ends."""
+    runs: list[list[Item]] = []
+    for item in items:
+        if runs and 0 <= item[0] - (runs[-1][-1][0] + runs[-1][-1][1]) < _MAX_GAP:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
 
 
 def _anonymous_file() -> int:

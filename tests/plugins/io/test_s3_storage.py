@@ -2,6 +2,8 @@
 
 The server is started once for this module on a free port and stopped at the end; s3fs finds it through
 ``AWS_ENDPOINT_URL`` and takes dummy credentials from the environment, set only while these tests run.
+Single files, then sharded checkpoints: saved by one process, and by 2-process FSDP jobs under torchrun
+whose ranks reach the server through the same variables.
 """
 
 from __future__ import annotations
@@ -234,9 +236,192 @@ def test_server_stopped_mid_save_clear_error_previous_intact(tmp_path) -> None:
 
 
 def test_consolidate_to_a_bucket(bucket: str, tmp_path) -> None:
-    """``fabric-torch consolidate`` writes its file to a bucket (a sharded folder read from a bucket: not yet)."""
+    """``fabric-torch consolidate`` writes nothing for a missing folder (the file on the bucket: below)."""
     from fabric.consolidate import main
 
     assert main([str(tmp_path / "missing"), f"{bucket}/full.pt"]) == 1
     with pytest.raises(FileNotFoundError):
         safe_load(f"{bucket}/full.pt")
+
+
+# ---- sharded checkpoints on the bucket ------------------------------------------------------------------
+
+
+def store_job(url: str, out, *args: str, tmpdir) -> None:
+    """``support/scripts/dcp/store_job.py`` as a 2-process FSDP job under torchrun; the ranks reach this module's S3
+    server through the environment, and keep their staging folders in ``tmpdir`` (checked empty afterwards)."""
+    import subprocess
+    import sys
+
+    from support.environment import clean_env
+    from support.loading import script_path
+
+    tmpdir.mkdir(exist_ok=True)
+    env = clean_env(
+        OMP_NUM_THREADS="1",
+        TMPDIR=str(tmpdir),
+        **{name: os.environ[name] for name in [*CREDENTIALS, "AWS_ENDPOINT_URL"]},
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+         str(script_path("dcp", "store_job.py")), url, str(out), *args],
+        env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert [name for name in os.listdir(tmpdir) if name.startswith(storage.STAGING_PREFIX)] == [], "a staging folder was left"
+
+
+def plain_job_objects(seed: int = 5) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from support.dcp_jobs import job_model
+
+    torch.manual_seed(seed)
+    model = job_model()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def assert_holds(model: nn.Module, optimizer: torch.optim.Optimizer, reference: dict) -> None:
+    for name, value in reference["model"].items():
+        assert torch.equal(model.state_dict()[name], value), name
+    state = optimizer.state_dict()["state"]
+    assert state.keys() == reference["optimizer"]["state"].keys()
+    for number, entry in reference["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(state[number][name]), torch.as_tensor(value)), (number, name)
+
+
+def assert_same(loaded: dict, reference: dict) -> None:
+    for name, value in reference["model"].items():
+        assert torch.equal(loaded["model"][name], value), name
+    for number, entry in reference["optimizer"]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(torch.as_tensor(loaded["optimizer"]["state"][number][name]), torch.as_tensor(value)), (number, name)
+
+
+@pytest.mark.timeout(600)
+def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_on_two_and_on_one(bucket: str, tmp_path) -> None:
+    """On the bucket: a 2-process FSDP job saves sharded (sync, then async), then a save in which rank 1's upload
+    fails: every rank raises, the previous checkpoint loads with its exact values. Then 2 -> 2 processes, 2 -> 1
+    (a plain module in this process) and 1 -> 2 (saved here without processes) load what was saved."""
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    out = tmp_path / "out"
+    out.mkdir()
+    store_job(f"{bucket}/run", out, "save", tmpdir=tmp_path / "tmp")
+    for rank in range(2):
+        failed = (out / f"failed-rank{rank}.txt").read_text()
+        assert failed.startswith("RuntimeError") and "previous one is kept" in failed, failed
+        assert "uploading rank 1's part failed" in failed and "injected" in failed, failed
+    reference = {name: torch.load(out / f"ref-{name}.pt", weights_only=True) for name in ("sync", "async")}
+    after = torch.load(out / "after-failure.pt", weights_only=True)
+    assert after["step"] == 3
+    assert_same(after, reference["sync"])
+    fs, path = storage.filesystem(f"{bucket}/run/sync")
+    record = json.loads(fs.cat_file(path))
+    assert record["kind"] == "sharded"
+    data_files = [f"__{rank}_{number}.distcp" for rank in range(2) for number in range(4)]
+    assert sorted(record["objects"]) == sorted([".metadata", *data_files, "fabric-objects.pt"])
+    fs.invalidate_cache()
+    assert [entry.rsplit("/", 1)[-1] for entry in fs.ls(f"{path}{storage.DATA_SUFFIX}")] == [record["generation"]]
+
+    for name in ("sync", "async"):  # 2 -> 1: a plain model and optimizer in this process
+        model, optimizer = plain_job_objects()
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        load_sharded(f"{bucket}/run/{name}", state)
+        assert state["step"] == {"sync": 3, "async": 4}[name]
+        assert_holds(model, optimizer, reference[name])
+
+    model, optimizer = plain_job_objects(seed=9)  # 1 -> 2: saved here, one process, no process group
+    model(torch.ones(2, 6)).sum().backward()
+    optimizer.step()
+    save_sharded(f"{bucket}/run/one", {"model": model, "optimizer": optimizer, "step": 11})
+    single = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    store_job(f"{bucket}/run", out, "load", "async", "one", tmpdir=tmp_path / "tmp")
+    loaded = torch.load(out / "loaded-async.pt", weights_only=True)
+    assert loaded["step"] == 4
+    assert_same(loaded, reference["async"])
+    loaded = torch.load(out / "loaded-one.pt", weights_only=True)
+    assert loaded["step"] == 11
+    assert_same(loaded, single)
+
+
+@pytest.mark.timeout(300)
+def test_two_process_model_parallel_sharded_checkpoint_on_the_bucket(bucket: str, tmp_path) -> None:
+    """ModelParallelStrategy (tensor parallel over 2 processes) saves its DCP shards to the bucket and loads them back;
+    a plain module in this process loads them too (2 -> 1)."""
+    from fabric.checkpoint.sharded_folder import load_sharded
+    from support.scripts.sharding.model import make_net
+
+    out = tmp_path / "out"
+    out.mkdir()
+    store_job(f"{bucket}/run", out, "tp", tmpdir=tmp_path / "tmp")
+    reference = torch.load(out / "ref-tp.pt", weights_only=True)
+    loaded = torch.load(out / "loaded-tp.pt", weights_only=True)
+    assert loaded["step"] == 2
+    assert_same(loaded, reference)
+    model = make_net(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    load_sharded(f"{bucket}/run/tp", state)
+    assert state["step"] == 2
+    assert_holds(model, optimizer, reference)
+
+
+def sharded_url_and_state(bucket: str, name: str = "sharded", seed: int = 5) -> tuple[str, nn.Module, torch.optim.Optimizer]:
+    """A sharded checkpoint saved on the bucket by one process (no process group), with what it holds."""
+    from fabric.checkpoint.sharded_folder import save_sharded
+
+    model, optimizer = plain_job_objects(seed)
+    model(torch.ones(2, 6)).sum().backward()
+    optimizer.step()
+    url = f"{bucket}/{name}"
+    save_sharded(url, {"model": model, "optimizer": optimizer, "step": 4})
+    return url, model, optimizer
+
+
+def sharded_object(url: str, name: str) -> str:
+    fs, path = storage.filesystem(url)
+    record = json.loads(fs.cat_file(path))
+    return f"{storage.generation_prefix(path, record['generation'])}/{name}"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other_save", "no_record"])
+def test_damaged_sharded_checkpoint_on_the_bucket_refused_nothing_changed(bucket: str, damage: str) -> None:
+    url, *_ = sharded_url_and_state(bucket)
+    fs, path = storage.filesystem(url)
+    target = sharded_object(url, "__0_0.distcp")
+    data = bytearray(fs.cat_file(target))
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        fs.pipe_file(target, bytes(data))
+        expected = r"__0_0\.distcp.*do not match the CRC-32 in the commit record"
+    elif damage == "truncate":
+        fs.pipe_file(target, bytes(data[: len(data) // 2]))
+        expected = r"__0_0\.distcp.* has \d+ bytes, the commit record says"
+    elif damage == "other_save":
+        other, *_ = sharded_url_and_state(bucket, "other", seed=6)
+        fs.pipe_file(target, fs.cat_file(sharded_object(other, "__0_0.distcp")))
+        expected = r"__0_0\.distcp.*do not match the CRC-32 in the commit record \(damaged, or from another save\)"
+    else:
+        fs.rm(path)
+        expected = "no commit record"
+    fresh, fresh_optimizer = plain_job_objects(seed=7)
+    before = {name: value.clone() for name, value in fresh.state_dict().items()}
+    state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    with pytest.raises((RuntimeError, FileNotFoundError), match=expected) as info:
+        cpu_fabric().load(url, state)
+    assert f"{bucket}/sharded" in str(info.value)
+    assert all(torch.equal(value, fresh.state_dict()[name]) for name, value in before.items())
+    assert state["step"] == 0 and not fresh_optimizer.state
+
+
+def test_consolidate_a_sharded_checkpoint_from_a_bucket_to_a_file_and_to_the_bucket(bucket: str, tmp_path) -> None:
+    from fabric.consolidate import main
+
+    url, model, optimizer = sharded_url_and_state(bucket)
+    assert main([url, str(tmp_path / "full.pt")]) == 0
+    assert main([url, f"{bucket}/full.pt"]) == 0
+    for full in (torch.load(tmp_path / "full.pt", weights_only=True), safe_load(f"{bucket}/full.pt")):
+        assert full["step"] == 4
+        assert all(torch.equal(full["model"][name], value) for name, value in model.state_dict().items())
+        assert torch.equal(full["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert main([f"{bucket}/full.pt", str(tmp_path / "again.pt")]) == 1  # a file, not a sharded checkpoint

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -314,19 +315,287 @@ def test_full_checkpoint_of_sharded_objects_to_a_url(empty_cwd: Path, memory_url
     assert torch.equal(fresh.weight, net.weight)
 
 
-def test_sharded_save_to_a_url_is_refused_before_anything_is_written(empty_cwd: Path, memory_url: str) -> None:
+# ---- sharded checkpoints on a URL (one process here; 2-process FSDP jobs on S3: test_s3_storage.py) -----------
+
+
+class ShardedHost:
+    """What ``pipeline`` needs of a strategy whose format is "sharded", in one process."""
+
+    checkpoint_format = "sharded"
+    world_size = 1
+    global_rank = 0
+    root_device = torch.device("cpu")
+
+
+def sharded_pair(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model whose first weight is over 64 KiB (read straight into its tensor) and whose other tensors are
+    small (read through torch.load), with a stepped AdamW."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net(torch.randn(3, 64)).sum().backward()
+    optimizer.step()
+    return net, optimizer
+
+
+def copies(state: dict) -> dict:
+    return {key: value.clone() for key, value in state.items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+@pytest.fixture
+def staging(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The temporary folder of this test (TMPDIR as tempfile read it): every staging folder goes there, and is gone after."""
+    import tempfile
+
+    folder = tmp_path_factory.mktemp("staging")
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    left = [name for name in os.listdir(folder) if name.startswith(storage.STAGING_PREFIX)]  # (torch keeps caches there)
+    assert left == [], "a staging folder was left behind"
+
+
+def generation_objects(url: str) -> tuple[object, str, list[str]]:
+    fs, path = store_of(url)
+    record = json.loads(fs.cat_file(path))
+    return fs, storage.generation_prefix(path, record["generation"]), sorted(record["objects"])
+
+
+def test_sharded_checkpoint_round_trip_on_a_url(empty_cwd: Path, staging: Path, memory_url: str) -> None:
     from fabric.checkpoint import pipeline
+    from fabric.plugins.io.publish import is_sharded_checkpoint
 
-    class ShardedHost:
-        checkpoint_format = "sharded"
-        world_size = 1
-        global_rank = 0
-        root_device = torch.device("cpu")
+    net, optimizer = sharded_pair(seed=1)
+    url = f"{memory_url}/run/sharded"
+    pipeline.save(ShardedHost(), url, {"model": net, "optimizer": optimizer, "step": 7})  # type: ignore[arg-type]
+    fs, prefix, names = generation_objects(url)
+    assert names == [".metadata", "__0_0.distcp", "fabric-objects.pt"]
+    assert sorted(entry.rsplit("/", 1)[-1] for entry in fs.ls(prefix, detail=False)) == names
+    assert is_sharded_checkpoint(url) and storage.exists(url)
 
-    with pytest.raises(NotImplementedError, match="Sharded checkpoints cannot be saved to a URL yet"):
-        pipeline.save(ShardedHost(), f"{memory_url}/sharded", {"model": model()})  # type: ignore[arg-type]
-    fs, path = store_of(f"{memory_url}/sharded")
-    assert not fs.exists(path)
+    fabric = cpu_fabric()  # any strategy loads a sharded checkpoint
+    fresh, fresh_optimizer = sharded_pair(seed=2)
+    state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    assert fabric.load(url, state) == {}
+    assert state["step"] == 7
+    assert same(fresh.state_dict(), net.state_dict())
+    assert same(fresh_optimizer.state_dict()["state"][0], optimizer.state_dict()["state"][0])
+    whole = fabric.load(url)  # no state: everything, full tensors
+    assert whole["step"] == 7 and same(whole["model"], net.state_dict())
+    assert torch.equal(whole["optimizer"]["state"][2]["exp_avg"], optimizer.state_dict()["state"][2]["exp_avg"])
+    with pytest.raises(TypeError, match="is a sharded checkpoint folder"):
+        fabric.load_raw(url, nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4)))
+
+
+def test_async_sharded_save_to_a_url_and_a_second_save_replaces_the_generation(empty_cwd: Path, staging: Path, memory_url: str) -> None:
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    net, _ = sharded_pair(seed=1)
+    url = f"{memory_url}/sharded"
+    handle = save_sharded(url, {"model": net, "step": 1}, async_save=True)
+    snapshot = copies(net.state_dict())
+    with torch.no_grad():
+        for param in net.parameters():
+            param.add_(1.0)  # changed after the call: not what is saved
+    handle.wait()
+    fs, first, _ = generation_objects(url)
+    fresh, _ = sharded_pair(seed=2)
+    load_sharded(url, {"model": fresh})
+    assert same(fresh.state_dict(), snapshot)
+    save_sharded(url, {"model": net, "step": 2})
+    _, second, _ = generation_objects(url)
+    assert second != first and not fs.exists(first)
+    state = {"model": fresh, "step": 0}
+    load_sharded(url, state)
+    assert state["step"] == 2 and same(fresh.state_dict(), net.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        ("flip", "__0_0.distcp"),
+        ("truncate", "__0_0.distcp"),
+        ("other_save", "__0_0.distcp"),
+        ("missing", "__0_0.distcp"),
+        ("index", ".metadata"),
+        ("objects", "fabric-objects.pt"),
+    ],
+)
+def test_damaged_sharded_object_refused_naming_it_nothing_changed(staging: Path, memory_url: str, damage: str, named: str) -> None:
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    net, optimizer = sharded_pair(seed=1)
+    url, other = f"{memory_url}/sharded", f"{memory_url}/other"
+    save_sharded(url, {"model": net, "optimizer": optimizer, "step": 1})
+    fs, prefix, _ = generation_objects(url)
+    target = f"{prefix}/{named}"
+    data = bytearray(fs.cat_file(target))
+    if damage in ("flip", "index", "objects"):
+        data[len(data) // 3] ^= 0x10
+        fs.pipe_file(target, bytes(data))
+    elif damage == "truncate":
+        fs.pipe_file(target, bytes(data[: len(data) - 100]))
+    elif damage == "missing":
+        fs.rm(target)
+    else:  # the same file of a save of another model of the same shapes: same name and size, other bytes
+        other_net, other_optimizer = sharded_pair(seed=3)
+        save_sharded(other, {"model": other_net, "optimizer": other_optimizer, "step": 1})
+        _, other_prefix, _ = generation_objects(other)
+        replacement = fs.cat_file(f"{other_prefix}/{named}")
+        assert len(replacement) == len(data)
+        fs.pipe_file(target, replacement)
+    fresh, fresh_optimizer = sharded_pair(seed=2)
+    before, optimizer_before = copies(fresh.state_dict()), copies(fresh_optimizer.state_dict()["state"][0])
+    state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    with pytest.raises(RuntimeError, match=rf"{memory_url}/sharded.*{re.escape(named)}") as info:
+        load_sharded(url, state)
+    assert "staging" not in str(info.value)  # the URL is named, not the local folder it was fetched into
+    assert same(fresh.state_dict(), before) and same(fresh_optimizer.state_dict()["state"][0], optimizer_before)
+    assert state["step"] == 0
+    with pytest.raises(RuntimeError, match=re.escape(named)):
+        load_sharded(url)  # the whole read too
+
+
+def test_a_part_written_as_several_files_uploads_and_fetches_them_at_once(
+    staging: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big part is written as up to 4 data files, each uploaded as it is written, fetched in parallel on load;
+    one damaged file among them is still refused naming it, nothing changed."""
+    from fabric.checkpoint import sharded_store
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    monkeypatch.setattr(sharded_store, "_BYTES_PER_FILE", 32 << 10)
+    net, optimizer = sharded_pair(seed=1)
+    url = f"{memory_url}/sharded"
+    save_sharded(url, {"model": net, "optimizer": optimizer, "step": 3})
+    fs, prefix, names = generation_objects(url)
+    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "__0_3.distcp", "fabric-objects.pt"]
+    fresh, fresh_optimizer = sharded_pair(seed=2)
+    state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+    load_sharded(url, state)
+    assert state["step"] == 3 and same(fresh.state_dict(), net.state_dict())
+    assert same(fresh_optimizer.state_dict()["state"][2], optimizer.state_dict()["state"][2])
+    data = bytearray(fs.cat_file(f"{prefix}/__0_2.distcp"))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(f"{prefix}/__0_2.distcp", bytes(data))
+    other, other_optimizer = sharded_pair(seed=4)
+    before = copies(other.state_dict())
+    with pytest.raises(RuntimeError, match=r"__0_2\.distcp.*do not match the CRC-32"):
+        load_sharded(url, {"model": other, "optimizer": other_optimizer})
+    assert same(other.state_dict(), before)
+
+
+def test_sharded_checkpoint_without_its_commit_record_is_not_found(staging: Path, memory_url: str) -> None:
+    from fabric.checkpoint.sharded_folder import save_sharded
+
+    net, _ = sharded_pair(seed=1)
+    url = f"{memory_url}/sharded"
+    save_sharded(url, {"model": net})
+    fs, path = store_of(url)
+    fs.rm(path)
+    fresh, _ = sharded_pair(seed=2)
+    before = copies(fresh.state_dict())
+    with pytest.raises(FileNotFoundError, match="no commit record"):
+        cpu_fabric().load(url, {"model": fresh})
+    assert same(fresh.state_dict(), before)
+
+
+def test_a_sharded_save_whose_record_is_never_written_keeps_the_previous(
+    staging: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    net, optimizer = sharded_pair(seed=1)
+    url = f"{memory_url}/sharded"
+    save_sharded(url, {"model": net, "optimizer": optimizer, "step": 1})
+    fs, first, _ = generation_objects(url)
+    saved = copies(net.state_dict())
+
+    def no_record(*args: object) -> None:
+        raise OSError("the store went away")
+
+    monkeypatch.setattr(storage, "write_record", no_record)
+    with torch.no_grad():
+        for param in net.parameters():
+            param.mul_(2.0)
+    with pytest.raises(RuntimeError, match=r"Saving the sharded checkpoint .* failed; the previous one is kept.*went away"):
+        save_sharded(url, {"model": net, "optimizer": optimizer, "step": 2})
+    monkeypatch.undo()
+    _, path = store_of(url)
+    assert fs.ls(f"{path}{storage.DATA_SUFFIX}", detail=False) == [first]  # the new generation's objects are gone
+    fresh, _ = sharded_pair(seed=2)
+    state = {"model": fresh, "step": 0}
+    load_sharded(url, state)
+    assert state["step"] == 1 and same(fresh.state_dict(), saved)
+
+
+def test_sharded_checkpoint_on_a_url_is_found_and_removed(staging: Path, memory_url: str) -> None:
+    from fabric.checkpoint.sharded_folder import save_sharded
+    from fabric.plugins.io.publish import is_sharded_checkpoint, resolve_for_load
+
+    url = f"{memory_url}/sharded"
+    assert not is_sharded_checkpoint(url) and not storage.exists(url)
+    save_sharded(url, {"model": sharded_pair(seed=1)[0]})
+    atomic_save({"v": torch.ones(2)}, f"{memory_url}/file.pt")
+    assert is_sharded_checkpoint(url) and not is_sharded_checkpoint(f"{memory_url}/file.pt")
+    with pytest.raises(ValueError, match="is a URL"):
+        resolve_for_load(url)  # never looked up as a local path
+    TorchCheckpointIO().remove_checkpoint(url)
+    fs, path = store_of(url)
+    assert not is_sharded_checkpoint(url) and not fs.exists(path) and not fs.exists(f"{path}{storage.DATA_SUFFIX}")
+
+
+def test_a_growing_upload_sends_what_is_written_as_it_is_written_and_gives_up_cleanly(tmp_path: Path, memory_url: str) -> None:
+    """The upload of a staging file while torch writes it: the object gets every byte (digest of the bytes sent),
+    a write that fails discards the object, and an upload that fails is reported when the write is done."""
+    from fabric.plugins.io.integrity import crc32
+
+    fs, root = store_of(memory_url)
+    local = tmp_path / "part"
+    data = os.urandom(9 << 20)  # more than one 8 MiB piece
+    with open(local, "wb", buffering=0) as file:
+        upload = storage.GrowingUpload(fs, local, f"{root}/part", memory_url)
+        for start in range(0, len(data), 3 << 20):
+            file.write(data[start : start + (3 << 20)])
+            upload.grew(min(len(data), start + (3 << 20)))
+        digest = upload.finish(len(data))
+    assert digest == {"size": len(data), "crc32": crc32(data)}
+    assert fs.cat_file(f"{root}/part") == data
+
+    with open(local, "wb", buffering=0) as file:
+        upload = storage.GrowingUpload(fs, local, f"{root}/cut", memory_url)
+        file.write(data[: 1 << 20])
+        upload.grew(1 << 20)
+        upload.abort()  # the write failed: nothing of it stays on the store
+    assert not fs.exists(f"{root}/cut")
+
+    upload = storage.GrowingUpload(fs, tmp_path / "no-such-file", f"{root}/gone", memory_url)
+    with pytest.raises(FileNotFoundError):
+        upload.finish(10)
+    assert not fs.exists(f"{root}/gone")
+
+
+def test_sharded_url_errors_never_show_credentials(staging: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+
+    url = f"memory://user:secret-token@{memory_url[len('memory://'):]}/sharded?sig=also-secret"
+    save_sharded(url, {"model": sharded_pair(seed=1)[0]})
+    fs, prefix, _ = generation_objects(url)
+    fs.rm(f"{prefix}/__0_0.distcp")
+    with pytest.raises(RuntimeError) as info:
+        load_sharded(url, {"model": sharded_pair(seed=2)[0]})
+    assert "secret" not in str(info.value) and "user:***@" in str(info.value)
+
+    def refused(fs: object, path: str, record: object) -> None:
+        raise OSError(f"the store refused {url}")  # a library that repeats the URL it was given
+
+    monkeypatch.setattr(storage, "write_record", refused)
+    with pytest.raises(RuntimeError, match="previous one is kept") as info:
+        save_sharded(url, {"model": sharded_pair(seed=1)[0]})
+    assert "secret" not in str(info.value) and "user:***@" in str(info.value)
 
 
 def test_run_refuses_a_url_script(empty_cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
