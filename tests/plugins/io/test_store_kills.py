@@ -48,7 +48,10 @@ def load_file(url: str) -> dict:
     return Fabric(accelerator="cpu", devices=1).load(url)
 
 
-LAYOUTS = {"file": Layout(devices=1, victim=0, load=load_file)}
+LAYOUTS = {
+    "file": Layout(devices=1, victim=0, load=load_file),
+    "sharded": Layout(devices=2, victim=1, load=load_file),  # the whole checkpoint read back in one process
+}
 
 
 class Job:
@@ -95,10 +98,12 @@ class Job:
 def check_holds(state: dict, step: int) -> None:
     """``state`` is step ``step``'s save, whole: every value says that step."""
     assert payloads.version_of(state, writer.numel_of(step)) == step
+    if "model" in state:  # the sharded layout's FSDP module: every parameter says the step too
+        assert all(bool((tensor == float(step)).all()) for tensor in state["model"].values()), step
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("layout", ["file"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_sigkill_during_saves_to_a_bucket_leaves_the_last_complete_checkpoint(s3_bucket: str, layout: str) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)

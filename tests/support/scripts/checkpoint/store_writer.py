@@ -7,8 +7,9 @@ Each rank prints ``pid RANK PID`` once; rank 0 then prints ``start N`` before th
 of step N's state says N (``save_writer.payload``), so a checkpoint that mixes two saves is caught, and the
 size changes with N (``numel_of``): some saves are one PUT, others a multipart upload of several parts.
 
-``--layout``: "file" (one process, a single-file checkpoint). A sharded layout is one more entry in LAYOUTS
-(its strategy and its devices); the test then kills one rank and the job's supervisor takes the others down.
+``--layout``: "file" (one process, a single-file checkpoint) or "sharded" (``strategy="fsdp"``, a folder of
+shards on the store, with an FSDP module whose every parameter says N besides the payload); with several
+processes the test kills one rank and the job's supervisor takes the others down.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from fabric import Fabric
 from support.scripts.checkpoint.save_writer import payload
 
-LAYOUTS = {"file": {"strategy": "auto"}}
+LAYOUTS = {"file": {"strategy": "auto"}, "sharded": {"strategy": "fsdp"}}
 BIG_EVERY = 3  # every third step is big enough for a multipart upload (s3fs sends parts of 50 MiB)
 
 
@@ -43,12 +44,19 @@ def main() -> None:
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", devices=args.devices, **LAYOUTS[args.layout])
     fabric.launch()
+    model = fabric.setup_module(torch.nn.Linear(256, 256)) if args.layout == "sharded" else None
     print(f"pid {fabric.global_rank} {os.getpid()}", flush=True)
     step = args.first
     while True:
         if fabric.global_rank == 0:
             print(f"start {step}", flush=True)
-        fabric.save(args.url, payload(step, numel_of(step)))
+        state = payload(step, numel_of(step))
+        if model is not None:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    parameter.fill_(step)
+            state["model"] = model
+        fabric.save(args.url, state)
         if fabric.global_rank == 0:
             print(f"saved {step}", flush=True)
         step += 1
