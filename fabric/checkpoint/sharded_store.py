@@ -307,7 +307,7 @@ def _distributed() -> bool:
 # ---- loading ---------------------------------------------------------------------------------------
 
 # a load's staging folder, as messages of the local checks name it (on any rank: its own folder's name)
-_LOAD_STAGING = re.compile(r"[^'\"\s]*" + re.escape(storage.STAGING_PREFIX) + r"load-[A-Za-z0-9_]+")
+_LOAD_STAGING = re.compile(r"[^'\"\s]*" + re.escape(storage.STAGING_PREFIX) + r"load-[A-Za-z0-9_-]+")
 
 
 class StoreFolder:

@@ -27,12 +27,14 @@ import errno
 import json
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fabric._core.processes import process_alive
 from fabric._core.urls import MissingStorageLibraryError, filesystem, is_url, local_or_url, redact, scheme_of
 from fabric.plugins.io.integrity import crc32
 
@@ -309,13 +311,46 @@ class _Aborted(Exception):
 
 def new_staging(purpose: str) -> Path:
     """A new private local folder for a rank's part of a sharded checkpoint on its way to or from a store
-    (in ``TMPDIR``, else the system's temporary folder); the caller removes it. ``purpose``: "save" or "load"."""
+    (in ``TMPDIR``, else the system's temporary folder); the caller removes it. ``purpose``: "save" or "load".
+
+    Its name says which process on which host made it (``fabric-staging-PURPOSE-PID-HOST-RANDOM``): a rank
+    killed mid-save cannot remove its folder (as large as its part of the model), so the first staging folder
+    of each process removes those whose process on this host is gone."""
     import tempfile
 
-    return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{purpose}-"))
+    folder = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{purpose}-{os.getpid()}-{_host_tag()}-"))
+    if folder.parent not in _swept_staging:
+        _swept_staging.add(folder.parent)
+        remove_abandoned_staging(folder.parent)
+    return folder
 
 
 STAGING_PREFIX = "fabric-staging-"
+_swept_staging: set[Path] = set()
+
+
+def _host_tag() -> str:
+    """This host, as 8 hex digits (a staging folder's name is no place for a long host name)."""
+    import socket
+
+    return f"{crc32(socket.gethostname().encode()):08x}"
+
+
+def remove_abandoned_staging(folder: Path) -> list[Path]:
+    """Remove the staging folders in ``folder`` made on this host by processes no longer alive; never raises."""
+    removed: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        parts = entry.name[len(STAGING_PREFIX) :].split("-") if entry.name.startswith(STAGING_PREFIX) else []
+        if len(parts) < 4 or not parts[1].isdigit() or parts[2] != _host_tag() or process_alive(int(parts[1])):
+            continue  # not a staging folder of this host's (or one of an older version), or its process runs
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def remove_object_quietly(fs: Any, path: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -605,3 +606,31 @@ def test_run_refuses_a_url_script(empty_cwd: Path, capsys: pytest.CaptureFixture
         main(["run", "s3://bucket/train.py"])
     assert info.value.code == 2
     assert "is a URL" in capsys.readouterr().err
+
+
+def test_the_first_staging_folder_of_a_process_removes_those_of_dead_processes(staging: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank killed mid-save leaves its staging folder (its part of the model) in TMPDIR; a later process removes it."""
+    import socket
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = storage._host_tag()
+    other_host = f"{(int(host, 16) + 1) % (1 << 32):08x}"
+    folders = {
+        f"{storage.STAGING_PREFIX}save-{dead.pid}-{host}-abc123": False,  # killed here: goes
+        f"{storage.STAGING_PREFIX}load-{dead.pid}-{host}-def456": False,
+        f"{storage.STAGING_PREFIX}save-{os.getpid()}-{host}-ghi789": True,  # a live process's: stays
+        f"{storage.STAGING_PREFIX}save-{dead.pid}-{other_host}-jkl012": True,  # another host's: stays
+        f"{storage.STAGING_PREFIX}save-mno345": True,  # no pid in its name: stays
+    }
+    for name in folders:
+        (staging / name).mkdir()
+        (staging / name / "__0_0.distcp").write_bytes(b"shard")
+    monkeypatch.setattr(storage, "_swept_staging", set())  # a new process
+    mine = storage.new_staging("save")
+    assert mine.name.startswith(f"{storage.STAGING_PREFIX}save-{os.getpid()}-{host}-") and socket.gethostname()
+    for name, stays in folders.items():
+        assert (staging / name).exists() is stays, name
+    for name in [*folders, mine.name]:
+        shutil.rmtree(staging / name, ignore_errors=True)

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -57,12 +58,12 @@ LAYOUTS = {
 class Job:
     """One run of ``store_writer.py``: its output lines are collected as they come."""
 
-    def __init__(self, url: str, first: int, layout: str) -> None:
+    def __init__(self, url: str, first: int, layout: str, tmpdir: Path) -> None:
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, str(script_path("checkpoint", "store_writer.py")), url, str(first), "--layout", layout,
              "--devices", str(LAYOUTS[layout].devices)],
-            env=job_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=job_environment(TMPDIR=str(tmpdir)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -104,7 +105,7 @@ def check_holds(state: dict, step: int) -> None:
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_sigkill_during_saves_to_a_bucket_leaves_the_last_complete_checkpoint(s3_bucket: str, layout: str) -> None:
+def test_sigkill_during_saves_to_a_bucket_leaves_the_last_complete_checkpoint(s3_bucket: str, layout: str, tmp_path: Path) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     url = f"{s3_bucket}/run/ckpt.pt"
@@ -116,7 +117,7 @@ def test_sigkill_during_saves_to_a_bucket_leaves_the_last_complete_checkpoint(s3
     for attempt in range(TRIES):
         where = f"(seed {seed}, try {attempt})"
         deadline = time.monotonic() + 120
-        job = Job(url, first, layout)
+        job = Job(url, first, layout, tmp_path)
         job.wait_started(spec.devices, deadline)
         time.sleep(rng.uniform(0.0, 4.0))
         os.kill(job.pids()[spec.victim], signal.SIGKILL)
@@ -140,6 +141,10 @@ def test_sigkill_during_saves_to_a_bucket_leaves_the_last_complete_checkpoint(s3
             loaded = state["version"]
         print(f"{where}: started {started[-2:]}, returned {saved[-2:]}, the URL holds step {loaded}")  # shown on failure
         first = (started[-1] + 1) if started else first
+        last_pids = set(job.pids().values())
+    # a killed rank's local staging folder (sharded saves) goes with the next job's first save
+    left = [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(storage.STAGING_PREFIX)]
+    assert all(int(name.split("-")[3]) in last_pids for name in left), (left, last_pids)
     assert interrupted >= TRIES // 2, f"only {interrupted} of {TRIES} kills landed mid-save (seed {seed})"
     assert loaded >= 0, f"no save completed in {TRIES} tries (seed {seed})"
 

@@ -1,5 +1,5 @@
 """One rank of a 2-process ``strategy="fsdp"`` job that saves sharded checkpoints to a store (started by
-tests/plugins/io/test_s3_sharded.py under torchrun; the store's address comes in the environment).
+tests/plugins/io/test_s3_storage.py under torchrun; the store's address comes in the environment).
 
 ``store_job.py URL OUT save``: train ``job_model()`` 3 AdamW steps (each rank's part is written as 4 data files, as a
 large model's is), ``fabric.save(URL/sync)``; one more step,
