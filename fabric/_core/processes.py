@@ -156,8 +156,20 @@ def _terminate_then_kill(
         targets = remaining
     for pid, as_group in targets:
         _send(pid, signal.SIGKILL, as_group)
-    if reap is not None:
-        reap()
+    # SIGKILL is delivered asynchronously (a process inside a disk write dies when it returns): wait, bounded,
+    # so that a caller who stopped its job finds nothing of it alive (and children of ours reaped)
+    deadline = time.monotonic() + _KILLED_WAIT_S
+    while targets:
+        if reap is not None:
+            reap()
+        targets = [(p, g) for p, g in targets if (_group_alive(p) if g else process_alive(p))]
+        if not targets or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+
+
+#: How long stopping processes waits for SIGKILLed ones to be gone.
+_KILLED_WAIT_S = 5.0
 
 
 def kill_process_groups(
