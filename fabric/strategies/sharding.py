@@ -318,10 +318,14 @@ def clip_grad_norm_over_shards(
 ) -> Tensor:
     """Scale gradients so their norm over the whole model (every shard on every rank) is at most ``max_norm``.
 
-    Gradients are grouped by mesh and placement: the norm of each group is reduced over its mesh
-    (DTensor knows which ranks hold shards and which hold copies), then the groups are combined.
-    Returns the total norm before clipping, the same on every rank.
+    Gradients of one mesh and placement (a model sharded one way, or plain tensors) go through torch's
+    ``clip_grad_norm_``, as under Lightning: the same numbers (the norm in the gradients' dtype, a DTensor for
+    DTensor gradients) and the same return type. torch cannot combine gradients of several meshes or
+    placements (tensor parallel beside data parallel): those are grouped by mesh and placement, the norm of
+    each group is reduced over its mesh (DTensor knows which ranks hold shards and which hold copies), and
+    the groups are combined in float32. Returns the total norm before clipping, the same on every rank.
     """
+    parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
@@ -330,6 +334,8 @@ def clip_grad_norm_over_shards(
     for grad in grads:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
         groups.setdefault(key, []).append(grad)
+    if len(groups) == 1:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
