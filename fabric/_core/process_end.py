@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["HARD_END_WAIT_S", "at_process_end", "run_process_end_callbacks"]
+__all__ = ["HARD_END_WAIT_S", "at_process_end", "run_process_end_callbacks", "run_process_end_callbacks_on_sigterm"]
 
 #: How long a process about to end through ``os._exit`` waits for the callbacks (a log file on a hung
 #: network filesystem must not keep a job from ending).
@@ -84,6 +85,30 @@ def run_process_end_callbacks(timeout: float | None = None) -> None:
         return
     threading.Thread(target=run_all, name="fabric-process-end", daemon=True).start()
     finished.wait(timeout)
+
+
+def run_process_end_callbacks_on_sigterm() -> None:
+    """Let SIGTERM run the callbacks before it ends this process (with the status SIGTERM gives, as before).
+
+    A rank started by a launcher process (``fabric run``, torchrun) is stopped with SIGTERM when another
+    rank failed, and SIGKILLed after a short grace: without this, what it logged since its last write is
+    lost. Only from the main thread, and only where SIGTERM has its default action (a handler of the
+    user's, or the pre-emption listener installed later, takes precedence). A forked copy of this process
+    (a DataLoader worker) that inherits the handler ends at once, without running them.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+    owner = os.getpid()
+
+    def end(signum: int, frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        if os.getpid() == owner:
+            run_process_end_callbacks(timeout=HARD_END_WAIT_S)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, end)
 
 
 def _after_fork_in_child() -> None:

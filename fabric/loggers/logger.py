@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any
 
-from fabric._core.process_end import at_process_end
+from fabric._core.env import started_by_a_cli
+from fabric._core.process_end import at_process_end, run_process_end_callbacks_on_sigterm
 from fabric.utilities.rank_zero import rank_zero_only
 
 __all__ = ["Logger", "NoOpExperiment", "rank_zero_experiment", "rank_zero_only"]
@@ -27,11 +28,16 @@ def register_close_at_exit(logger: Any) -> None:
     """Have ``logger.close_at_exit()`` run when the process ends, if it still exists.
 
     So a script that ends without ``finalize`` keeps its last rows and events: at a normal end, after an
-    exception, in a fork worker (ended with ``os._exit``) and in rank 0 ended at once because another
-    rank failed (see :mod:`fabric._core.process_end`). One callback for all loggers.
+    exception, in a fork worker (ended with ``os._exit``), in rank 0 ended at once because another rank
+    failed, and in a rank that ``fabric run`` or torchrun stops with SIGTERM for that reason (see
+    :mod:`fabric._core.process_end`). One callback for all loggers.
     """
     _OPEN_LOGGERS.add(logger)
     at_process_end(_close_open_loggers)
+    if started_by_a_cli() or "TORCHELASTIC_RUN_ID" in os.environ:
+        # its launcher stops this rank with SIGTERM when another rank failed (under launch(), rank 0's own
+        # supervision ends it through the process-end callbacks instead)
+        run_process_end_callbacks_on_sigterm()
 
 
 def _close_open_loggers() -> None:

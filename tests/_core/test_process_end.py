@@ -102,3 +102,43 @@ def test_a_forked_child_runs_what_its_parent_registered_and_so_does_the_parent(t
     assert result.returncode == 0, result.stderr
     parent, child = result.stdout.split()
     assert sorted(path.name for path in tmp_path.glob("ran-*")) == sorted([f"ran-{parent}", f"ran-{child}"])
+
+
+_SIGTERM_SCRIPT = textwrap.dedent("""\
+    import os, signal, sys, time
+    from fabric._core.process_end import at_process_end, run_process_end_callbacks_on_sigterm
+    out, mode = sys.argv[1], sys.argv[2]
+    if mode == "user handler":
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(7))
+    at_process_end(lambda: open(os.path.join(out, f"ran-{os.getpid()}"), "w").close())
+    run_process_end_callbacks_on_sigterm()
+    print(f"parent {os.getpid()}", flush=True)
+    child = os.fork() if mode == "default" else -1
+    if child == 0:  # a DataLoader worker's place: its inherited handler must not write for the job
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        os._exit(3)
+    if child > 0:
+        _, status = os.waitpid(child, 0)
+        print(f"child {os.waitstatus_to_exitcode(status)}", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="a forked child")
+@pytest.mark.parametrize("mode", ["default", "user handler"])
+def test_sigterm_runs_the_callbacks_in_the_process_that_asked_and_ends_it_as_before(tmp_path: Path, mode: str) -> None:
+    """A rank stopped with SIGTERM by its launcher writes what it holds, then ends killed by SIGTERM; a forked copy
+    ends at once; a handler of the user's is left in place."""
+    result = subprocess.run([sys.executable, "-c", _SIGTERM_SCRIPT, str(tmp_path), mode], env=clean_env(),
+                            capture_output=True, text=True, timeout=50)
+    parent = next(line.split()[1] for line in result.stdout.splitlines() if line.startswith("parent "))
+    ran = sorted(path.name for path in tmp_path.iterdir())
+    assert ran == [f"ran-{parent}"], (ran, result.stdout, result.stderr)  # in the parent only
+    if mode == "default":
+        assert "child -15" in result.stdout, result.stdout + result.stderr  # the fork ended at once
+        assert result.returncode == -15, result.stderr  # ended by SIGTERM, as without the handler
+    else:
+        assert result.returncode == 7, result.stderr  # the user's handler stayed in place (its sys.exit ran atexit)

@@ -342,9 +342,9 @@ def log_and_end(fabric, ending):
 
 
 root, strategy, ending = sys.argv[1:]
-fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy,
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp" if strategy == "fabric run" else strategy,
                 loggers=[TensorBoardLogger(root, flush_secs=3600), CSVLogger(root)])
-if strategy == "ddp":
+if strategy in ("ddp", "fabric run"):
     fabric.launch()
     log_and_end(fabric, ending)
 else:
@@ -364,6 +364,8 @@ else:
         # multiprocessing ends a fork worker with os._exit, without atexit (events and rows lost before)
         ("ddp_fork", "normal"),
         ("ddp_fork", "rank 0 raises"),
+        # `fabric run` stops rank 0 with SIGTERM (then SIGKILL after a grace) when rank 1 failed (rows lost before)
+        ("fabric run", "rank 1 raises while rank 0 runs"),
     ],
 )
 def test_a_script_that_ends_without_finalize_keeps_its_last_events_and_rows(tmp_path: Path, strategy: str, ending: str) -> None:
@@ -375,7 +377,8 @@ def test_a_script_that_ends_without_finalize_keeps_its_last_events_and_rows(tmp_
 
     script = tmp_path / "log.py"
     script.write_text(_LOG_WITHOUT_FINALIZE)
-    result = run([sys.executable, str(script), str(tmp_path / "logs"), strategy, ending], timeout=70,
+    launcher = fabric_run("--accelerator=cpu", "--devices=2", "--strategy=ddp") if strategy == "fabric run" else [sys.executable]
+    result = run([*launcher, str(script), str(tmp_path / "logs"), strategy, ending], timeout=70,
                  env=job_environment(), cwd=tmp_path, check=False)
     assert result.returncode == (0 if ending == "normal" else 1), result.stderr
     event_files = list((tmp_path / "logs").rglob("events.out.tfevents.*"))
