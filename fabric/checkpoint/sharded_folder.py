@@ -80,23 +80,21 @@ def save_sharded(
     kinds = {key: layout.kind_of(obj) for key, obj in state.items()}
     skeleton, tensors, paths = layout.split_tensors(entries, kinds)
     objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
+    write: Callable[..., None]
     if is_url(path):  # a store: staged locally, uploaded, committed by a record (sharded_store)
         from fabric.checkpoint.sharded_store import agree_on_generation, save_to_store
 
         url = str(path)
         generation = agree_on_generation(url, group=None)
-        if async_save:
-            staged = {flat: layout.plain_copy(tensor) for flat, tensor in tensors.items()}
-            group = background_group()
-            return start_background_save(lambda: save_to_store(url, generation, staged, objects, group), repr(redact(url)))
-        save_to_store(url, generation, tensors, objects, group=None)
-        return finished()
-    token = _agree_on_token(path, group=None)
+        write, shown = partial(save_to_store, url, generation, objects=objects), repr(redact(url))
+    else:
+        token = _agree_on_token(path, group=None)
+        write, shown = partial(_write, path, token, objects=objects), repr(str(path))
     if async_save:
         staged = {flat: layout.plain_copy(tensor) for flat, tensor in tensors.items()}
         group = background_group()
-        return start_background_save(lambda: _write(path, token, staged, objects, group), repr(str(path)))
-    _write(path, token, tensors, objects, group=None)
+        return start_background_save(lambda: write(staged, group=group), shown)
+    write(tensors, group=None)
     return finished()
 
 
