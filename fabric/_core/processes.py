@@ -139,33 +139,32 @@ def _send(pid: int, signum: int, as_group: bool) -> None:
 def _terminate_then_kill(
     targets: list[tuple[int, bool]], signum: int, grace: float, reap: Callable[[], object] | None
 ) -> None:
-    """Send ``signum`` to each target, wait up to ``grace`` s, then SIGKILL the rest."""
+    """Send ``signum`` to each target, wait up to ``grace`` s, then SIGKILL the rest and wait for them to go."""
     if not targets:
         return
     for pid, as_group in targets:
         _send(pid, signum, as_group)
     if signum != signal.SIGKILL:
-        deadline = time.monotonic() + grace
-        while True:
-            if reap is not None:
-                reap()
-            remaining = [(p, g) for p, g in targets if (_group_alive(p) if g else process_alive(p))]
-            if not remaining or time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-        targets = remaining
+        targets = _wait_until_gone(targets, grace, reap, 0.02)
     for pid, as_group in targets:
         _send(pid, signal.SIGKILL, as_group)
     # SIGKILL is delivered asynchronously (a process inside a disk write dies when it returns): wait, bounded,
     # so that a caller who stopped its job finds nothing of it alive (and children of ours reaped)
-    deadline = time.monotonic() + _KILLED_WAIT_S
-    while targets:
+    _wait_until_gone(targets, _KILLED_WAIT_S, reap, 0.01)
+
+
+def _wait_until_gone(
+    targets: list[tuple[int, bool]], timeout: float, reap: Callable[[], object] | None, interval: float
+) -> list[tuple[int, bool]]:
+    """Reap and look again until no target is alive or ``timeout`` s passed; the targets still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
         if reap is not None:
             reap()
         targets = [(p, g) for p, g in targets if (_group_alive(p) if g else process_alive(p))]
         if not targets or time.monotonic() >= deadline:
-            break
-        time.sleep(0.01)
+            return targets
+        time.sleep(interval)
 
 
 #: How long stopping processes waits for SIGKILLed ones to be gone.
