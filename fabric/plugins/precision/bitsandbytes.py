@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from fabric.plugins.precision import Precision, _cast_floating, default_dtype
+from fabric.plugins.precision import _SingleDtypePrecision, default_dtype
 
 Mode = Literal["nf4", "nf4-dq", "fp4", "fp4-dq", "int8", "int8-training"]
 MODES: tuple[str, ...] = ("nf4", "nf4-dq", "fp4", "fp4-dq", "int8", "int8-training")
@@ -34,7 +34,7 @@ _TORCH_LINEAR = torch.nn.Linear
 _KEPT_LINEARS: tuple[type, ...] = (torch.nn.modules.linear.NonDynamicallyQuantizableLinear,)
 
 
-class BitsandbytesPrecision(Precision):
+class BitsandbytesPrecision(_SingleDtypePrecision):
     """Quantize every ``nn.Linear`` of the model with `bitsandbytes <https://github.com/bitsandbytes-foundation/bitsandbytes>`_.
 
     Args:
@@ -46,6 +46,9 @@ class BitsandbytesPrecision(Precision):
             supports it, else float16.
         ignore_modules: names of submodules whose Linear layers stay as they are (e.g. ``{"lm_head"}``); a name is
             a prefix, so ``"transformer.h"`` keeps every layer under it.
+
+    Initialisation, forward and inputs/outputs follow ``dtype`` as under ``"bf16-true"``/``"16-true"`` (the shared
+    single-dtype base); only the module's conversion and ``init_module`` differ.
 
     The optimizer is not replaced (by an 8-bit one of bitsandbytes): pass one yourself if you want it.
     """
@@ -95,18 +98,6 @@ class BitsandbytesPrecision(Precision):
                 " precision. Create the model outside init_module(), or drop ignore_modules"
             )
         return _linear_replaced(self._linear_cls, self.dtype)
-
-    def tensor_init_context(self) -> AbstractContextManager:
-        return default_dtype(self.dtype)
-
-    def forward_context(self) -> AbstractContextManager:
-        return default_dtype(self.dtype)
-
-    def convert_input(self, data: Any) -> Any:
-        return _cast_floating(data, self.dtype)
-
-    def convert_output(self, data: Any) -> Any:
-        return _cast_floating(data, torch.get_default_dtype())
 
     def __repr__(self) -> str:
         ignored = f", ignore_modules={self.ignore_modules}" if self.ignore_modules else ""
