@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,71 +20,17 @@ from torch import nn
 from fabric import Fabric
 from fabric.plugins.io import atomic_save, safe_load, storage
 from support.environment import free_port
+from support.s3 import VARIABLES, MotoS3
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-class Server:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-
-    def start(self) -> None:
-        self._server.start()
-
-    def stop(self) -> None:
-        self._server.stop()
-
-
-@pytest.fixture(scope="module")
-def s3_server() -> Iterator[Server]:
-    saved = {name: os.environ.get(name) for name in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
-    server = Server()
-    server.start()
-    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=server.endpoint)
-    _forget_filesystems()
-    try:
-        yield server
-    finally:
-        try:
-            server.stop()
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-            _forget_filesystems()
-
-
-def _forget_filesystems() -> None:
-    """s3fs keeps one filesystem per set of options: a new endpoint must not meet an old instance."""
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-
+pytest.importorskip("moto.server")
 
 @pytest.fixture
-def bucket(s3_server: Server, monkeypatch: pytest.MonkeyPatch) -> str:
-    # clean_fabric_env restores the environment after each test: keep the fixture's variables set
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
-    for name, value in CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
-    import s3fs
-
-    name = f"ckpts-{secrets.token_hex(4)}"
-    s3fs.S3FileSystem().mkdir(name)
-    return f"s3://{name}"
+def bucket(s3_bucket: str) -> str:
+    """A new, empty bucket on the module's moto server (``support/s3.py``)."""
+    return s3_bucket
 
 
 def cpu_fabric() -> Fabric:
@@ -184,7 +128,7 @@ def test_checkpoint_without_commit_record_refused(bucket: str) -> None:
         safe_load(url)
 
 
-def test_a_bucket_that_does_not_exist(s3_server: Server, bucket: str) -> None:
+def test_a_bucket_that_does_not_exist(bucket: str) -> None:
     with pytest.raises(OSError, match="nosuchbucket-fabric"):
         atomic_save({"v": 1}, "s3://nosuchbucket-fabric/x.pt")
 
@@ -194,10 +138,10 @@ def test_server_stopped_mid_save_clear_error_previous_intact(tmp_path) -> None:
     is whole on the restarted server."""
     import s3fs
 
-    server = Server()
+    server = MotoS3()
     server.start()
-    saved = {name: os.environ.get(name) for name in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
-    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=server.endpoint)
+    saved = {name: os.environ.get(name) for name in VARIABLES}
+    os.environ.update(server.environment())
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         # short timeouts and few retries, as a job that must not hang on a dead store would set
@@ -215,7 +159,7 @@ def test_server_stopped_mid_save_clear_error_previous_intact(tmp_path) -> None:
         assert time.monotonic() - started < 120
         stopper.join()
         # the same store served again (moto keeps its buckets in this process): the previous checkpoint is whole
-        again = Server()
+        again = MotoS3()
         again.start()
         try:
             os.environ["AWS_ENDPOINT_URL"] = again.endpoint
@@ -260,7 +204,7 @@ def store_job(url: str, out, *args: str, tmpdir) -> None:
     env = clean_env(
         OMP_NUM_THREADS="1",
         TMPDIR=str(tmpdir),
-        **{name: os.environ[name] for name in [*CREDENTIALS, "AWS_ENDPOINT_URL"]},
+        **{name: os.environ[name] for name in VARIABLES},
     )
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
