@@ -1,8 +1,9 @@
 """A job that saves checkpoints to a URL back to back until it is killed (SIGKILL, at a random moment).
 
-    python store_writer.py URL FIRST_STEP [--layout file] [--devices 1]
+    python store_writer.py URL FIRST_STEP REPORTS_DIR [--layout file] [--devices 1]
 
-Each rank prints ``pid RANK PID`` once; rank 0 then prints ``start N`` before the save of step N begins and
+Each rank writes its reports to a file of its own, ``REPORTS_DIR/rank-RANK.txt`` (ranks sharing one pipe
+would interleave their lines): ``pid PID`` once, then rank 0 ``start N`` before the save of step N begins and
 ``saved N`` after it returned. Steps FIRST_STEP, FIRST_STEP + 1, ... are saved in an endless loop. Every part
 of step N's state says N (``save_writer.payload``), so a checkpoint that mixes two saves is caught, and the
 size changes with N (``numel_of``): some saves are one PUT, others a multipart upload of several parts.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -38,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
     parser.add_argument("first", type=int)
+    parser.add_argument("reports", type=Path)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="file")
     parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args()
@@ -45,11 +48,12 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", devices=args.devices, **LAYOUTS[args.layout])
     fabric.launch()
     model = fabric.setup_module(torch.nn.Linear(256, 256)) if args.layout == "sharded" else None
-    print(f"pid {fabric.global_rank} {os.getpid()}", flush=True)
+    reports = open(args.reports / f"rank-{fabric.global_rank}.txt", "a", buffering=1)  # noqa: SIM115 (open until killed)
+    reports.write(f"pid {os.getpid()}\n")
     step = args.first
     while True:
         if fabric.global_rank == 0:
-            print(f"start {step}", flush=True)
+            reports.write(f"start {step}\n")
         state = payload(step, numel_of(step))
         if model is not None:
             with torch.no_grad():
@@ -58,7 +62,7 @@ def main() -> None:
             state["model"] = model
         fabric.save(args.url, state)
         if fabric.global_rank == 0:
-            print(f"saved {step}", flush=True)
+            reports.write(f"saved {step}\n")
         step += 1
 
 
