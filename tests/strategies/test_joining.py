@@ -7,8 +7,8 @@ still joining: that peer's ``init_process_group`` failed ("Connection closed by 
 connectFullMesh, or the store's "Failed to recv") and so did the job. Every rank now waits at the end of
 joining until all have joined (``group_lifetime.wait_until_every_rank_has_joined``).
 
-The jobs are ``support/scripts/ddp/short_job.py``, started by ``launch()`` and by ``fabric-torch run``,
-two at a time (the machine's two cores run four ranks at once, as a loaded CI machine does).
+The jobs are ``support/scripts/ddp/short_job.py``, started by ``launch()`` and by ``fabric-torch run``
+(joining with ``Fabric``, or with the ``TorchCollective`` plugin), two at a time (the machine's two cores run four ranks at once, as a loaded CI machine does).
 """
 
 from __future__ import annotations
@@ -57,9 +57,11 @@ def test_a_rank_done_joining_first_waits_for_its_slow_peers(tmp_path: Path) -> N
     """Rank 1 writes its address, then is slow to connect; rank 0's script ends at once.
 
     Whether rank 0 was done before rank 1 had joined depends on which of the two connects (their gloo
-    ports decide): before the fix 23 of 32 such jobs failed, and the test (four jobs) with them.
+    ports decide): before the fix 23 of 32 such jobs failed, and the test (four jobs) with them. The
+    ``TorchCollective`` plugin's ``setup`` joins the same way and waits the same way (two more jobs).
     """
     jobs = [(how, 2, ("--slow-peers",)) for how in ("launch", "fabric run") for _ in range(2)]
+    jobs += [("fabric run", 2, ("--slow-peers", "--collective"))] * 2
     failures = _run_jobs(tmp_path, jobs)
     assert not failures, f"{len(failures)} of {len(jobs)} jobs failed:\n" + "\n".join(failures)
 

@@ -152,10 +152,13 @@ class TorchCollective(Collective):
         if main_port is not None:
             os.environ["MASTER_PORT"] = str(main_port)
         if not dist.is_initialized():
+            from fabric.utilities.group_lifetime import leave_process_group_at_exit, wait_until_every_rank_has_joined
+
             self.init_group(**kwargs)
             TorchCollective._created_default_group = True
+            # a rank done joining first must not leave (at its exit) while a peer is still joining
+            wait_until_every_rank_has_joined()
             # left at exit as fabric's strategies leave theirs: a gloo group alive at shutdown can abort the process
-            from fabric.utilities.group_lifetime import leave_process_group_at_exit
 
             atexit.register(leave_process_group_at_exit)
         if TorchCollective._created_default_group and not self._uses_default_group:

@@ -1,12 +1,13 @@
 """The shortest job: every rank joins and the script ends at once (the user's two-line start-up check).
 
     python short_job.py --devices N [--slow-peers]     # Fabric(devices=N).launch()
-    fabric-torch run --devices N short_job.py [--slow-peers]
+    fabric-torch run --devices N short_job.py [--slow-peers] [--collective]
 
 Every rank prints ``joined <rank>``. ``--slow-peers``: every rank but 0 takes its time between writing
 its own gloo address to the store and connecting to its peers, as a rank on a loaded machine does (the
 first read from the store waits 1.5 s). A rank that is done joining before its peers must not
-leave them behind: the job must end with status 0.
+leave them behind: the job must end with status 0. ``--collective``: the ranks join with
+``TorchCollective().setup(...)`` (on a store of the job's own) instead of ``Fabric``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 import fabric.strategies.ddp as ddp
 from fabric import Fabric
+from fabric.plugins.collectives import TorchCollective
 
 _DELAY_S = 1.5
 
@@ -66,11 +68,25 @@ class SlowFirstRead(dist.Store):
         self.inner.set_timeout(timeout)
 
 
+def join_with_the_collective_plugin(slow_peers: bool) -> None:
+    """Join as ``TorchCollective`` users do, under ``fabric-torch run`` (its environment names the ranks)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store: Any = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=rank == 0)
+    if slow_peers and rank != 0:
+        store = SlowFirstRead(store)
+    TorchCollective().setup(backend="gloo", store=store, rank=rank, world_size=world_size)
+    print(f"joined {rank}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", type=int)
     parser.add_argument("--slow-peers", action="store_true")
+    parser.add_argument("--collective", action="store_true")
     args = parser.parse_args()
+    if args.collective:
+        join_with_the_collective_plugin(args.slow_peers)
+        return
     if args.slow_peers and os.environ.get("RANK", "0") != "0":
         job_store = ddp._job_store
         ddp._job_store = lambda *a, **k: SlowFirstRead(job_store(*a, **k))  # type: ignore[assignment]
