@@ -17,7 +17,7 @@ Parts, each in its own process with a timeout, all within one budget (``--budget
 
 ``<folder>/gpu-check.json`` is rewritten after every part (a run cut short keeps what it had); each part's
 output is in ``<folder>/<part>.log``. Without a GPU it says so, runs the CPU versions of the GPU jobs
-(``tests/gpu/test_cpu_jobs.py``: the logic of every CUDA part) unless ``--no-cpu-logic``, and exits 2.
+(``tests/gpu/test_device_jobs.py::test_on_the_cpu``: the logic of every CUDA part) unless ``--no-cpu-logic``, and exits 2.
 Exit status: 0 all passed, 1 a test or part failed, 2 no GPU or a module missing.
 """
 
@@ -41,14 +41,14 @@ REPO = Path(__file__).resolve().parents[1]
 # the CUDA tests: files whose tests run on the GPU when there is one (the rest of each file is quick CPU tests)
 CUDA_TESTS = (
     "tests/accelerators/test_cuda.py",
-    "tests/gpu/test_gpu_jobs.py",
+    "tests/gpu/test_device_jobs.py::test_on_the_gpu",
     "tests/utilities/test_throughput.py",
     "tests/test_dropin.py",
     "tests/plugins/test_precision.py",
     "tests/plugins/test_bitsandbytes.py",
     "tests/plugins/io/test_device_load.py",
 )
-CPU_LOGIC_TESTS = ("tests/gpu/test_cpu_jobs.py",)
+CPU_LOGIC_TESTS = ("tests/gpu/test_device_jobs.py::test_on_the_cpu",)
 REQUIRED = ("torch", "numpy", "lightning_utilities", "pytest", "isal", "fabric")
 OPTIONAL = ("pytest_timeout", "xdist", "hypothesis")
 PER_TEST_TIMEOUT = 240

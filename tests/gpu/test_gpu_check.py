@@ -83,8 +83,8 @@ def test_pytest_command_uses_plugins_only_when_present(tmp_path):
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="gpu-check">
-<testcase classname="tests.gpu.test_gpu_jobs" name="test_on_the_gpu[ddp_world1]" time="9"/>
-<testcase classname="tests.gpu.test_gpu_jobs" name="test_on_the_gpu[fsdp2_world1]" time="9"><failure message="x">boom</failure></testcase>
+<testcase classname="tests.gpu.test_device_jobs" name="test_on_the_gpu[ddp_world1]" time="9"/>
+<testcase classname="tests.gpu.test_device_jobs" name="test_on_the_gpu[fsdp2_world1]" time="9"><failure message="x">boom</failure></testcase>
 <testcase classname="tests.accelerators.test_cuda" name="test_nccl" time="1"><error message="y">setup</error></testcase>
 <testcase classname="tests.test_dropin" name="test_cpu_only" time="0"><skipped message="z"/></testcase>
 </testsuite></testsuites>"""
@@ -99,7 +99,7 @@ def test_junit_summary(tmp_path):
         "errors": 1,
         "skipped": 1,
         "total": 4,
-        "failing": ["tests.gpu.test_gpu_jobs::test_on_the_gpu[fsdp2_world1]", "tests.accelerators.test_cuda::test_nccl"],
+        "failing": ["tests.gpu.test_device_jobs::test_on_the_gpu[fsdp2_world1]", "tests.accelerators.test_cuda::test_nccl"],
         "source": "junit",
     }
     assert tool.summarize_junit(tmp_path / "missing.xml") is None

@@ -2,7 +2,7 @@
 
 DEVICE is ``cuda`` (the GPU check: NCCL, CUDA placement) or ``cpu`` (the same job's logic in the CPU suite,
 over gloo). Each job runs in its own process because it sets up a process group; it prints one line
-``RESULT {json}`` with what it measured, and the test (``support/device_checks.py``) judges it.
+``RESULT {json}`` with what it measured, and the test (``tests/gpu/test_device_jobs.py``) judges it.
 
 Jobs: ``ddp``, ``fsdp`` (empty_init on the meta device materialised on the device, training against a
 one-process reference, sharded save, async sharded save), ``fsdp_offload``, ``tp`` (ModelParallelStrategy,

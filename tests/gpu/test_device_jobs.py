@@ -1,10 +1,10 @@
-"""The GPU check's jobs, each written once with the device as a parameter.
+"""The GPU check's jobs, each written once with the device as a parameter, run on ``cuda`` and on ``cpu``.
 
-``tests/gpu/test_gpu_jobs.py`` runs every check here on ``cuda`` (``make gpu-check``); ``tests/gpu/test_cpu_jobs.py``
-runs the same functions on ``cpu``, so the logic of every CUDA path also runs in the CPU suite. Where the CPU
-cannot take the same path (fabric turns 16-mixed on the CPU into bf16-mixed; inductor needs a compiler; the
-CPU offload policy is a no-op on the CPU), the check says what it does instead, in one place: the
-``if device == "cpu"`` lines below.
+``test_on_the_gpu`` runs every check here on ``cuda`` (skipped without a GPU; ``make gpu-check`` runs it);
+``test_on_the_cpu`` runs the same checks on ``cpu``, so the logic of every CUDA path also runs in the CPU suite.
+One GPU is enough: the DDP, FSDP2 and ModelParallel jobs are world size 1. Where the CPU cannot take the same
+path (fabric turns 16-mixed on the CPU into bf16-mixed; inductor needs a compiler; the CPU offload policy is a
+no-op on the CPU), the check says what it does instead, in one place: the ``if device == "cpu"`` lines below.
 
 Jobs that set up a process group (DDP, FSDP2, ModelParallel, their checkpoints) run one process each with
 ``support/scripts/device/world1.py`` (world size 1: NCCL on the GPU, gloo on the CPU), a free port and a
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -327,7 +328,7 @@ def _set_up_compiled(fabric: Fabric, backend: str) -> tuple[Any, Any]:
     return fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
 
 
-# name -> (check, timeout in seconds on the GPU); both test modules parametrize over this one table
+# name -> (check, timeout in seconds on the GPU); both tests below parametrize over this one table
 CHECKS: dict[str, tuple[Callable[[str, Path], None], int]] = {
     "ddp_world1": (check_ddp, 300),
     "fsdp2_world1": (check_fsdp, 300),
@@ -341,3 +342,22 @@ CHECKS: dict[str, tuple[Callable[[str, Path], None], int]] = {
     "pinned_loader": (check_pinned_loader, 120),
     "compile": (check_compile, 300),
 }
+
+
+def _with_timeouts() -> list[Any]:
+    return [pytest.param(name, marks=pytest.mark.timeout(timeout)) for name, (_, timeout) in CHECKS.items()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", _with_timeouts())
+def test_on_the_gpu(name: str, tmp_path: Path) -> None:
+    check, _ = CHECKS[name]
+    check("cuda", tmp_path)
+
+
+@pytest.mark.parametrize("name", _with_timeouts())
+def test_on_the_cpu(name: str, tmp_path: Path) -> None:
+    """Gloo instead of NCCL; where the CPU cannot take the GPU's path the check says what it runs instead
+    (16-mixed with an explicit CPU GradScaler, torch.compile's "eager" backend, no pinning, no offload policy)."""
+    check, _ = CHECKS[name]
+    check("cpu", tmp_path)
