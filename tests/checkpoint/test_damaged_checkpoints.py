@@ -31,29 +31,18 @@ from fabric.plugins.io.single_file import CheckpointLoadError
 from fabric.utilities.exceptions import CheckpointMismatchError
 from support.dcp_jobs import run_job
 from support.environment import job_environment
+from support.models import stepped_pair
 
 REFUSED = (CheckpointLoadError, CheckpointMismatchError)
 
 
-def stepped_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A model and an Adam optimizer that has stepped once (so it has state to lose)."""
-    torch.manual_seed(seed)
-    # the first weight (128 KiB) is over integrity.SMALL_ARCHIVE, the rest under: a folder's items take both
-    # read paths (straight into the new storage, or through torch.load)
-    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 8))
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.randn(4, 64)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
-    return stepped_model(seed=0)
+    return stepped_pair(seed=0)
 
 
 def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
     """Another model and optimizer of the same shapes, to load into."""
-    return stepped_model(seed=1)
+    return stepped_pair(seed=1)
 
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

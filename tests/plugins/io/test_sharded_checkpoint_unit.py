@@ -16,15 +16,11 @@ from fabric.checkpoint.full_file import save_full
 from fabric.checkpoint.sharded_folder import OBJECTS_FILE, load_sharded, save_sharded
 from fabric.plugins.io import publish as atomic_folder
 from fabric.plugins.io.single_file import CheckpointLoadError
+from support.models import stepped_pair
 
 
 def model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
+    return stepped_pair(seed, (4, 8, 2), torch.optim.AdamW)
 
 
 def weights_of(path: Path) -> dict[str, torch.Tensor]:

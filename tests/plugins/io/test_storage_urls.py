@@ -19,6 +19,7 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load, storage
+from support.models import stepped_pair
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
 
@@ -331,12 +332,7 @@ class ShardedHost:
 def sharded_pair(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A model whose first weight is over 64 KiB (read straight into its tensor) and whose other tensors are
     small (read through torch.load), with a stepped AdamW."""
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4))
-    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
-    net(torch.randn(3, 64)).sum().backward()
-    optimizer.step()
-    return net, optimizer
+    return stepped_pair(seed, (64, 512, 4), torch.optim.AdamW)
 
 
 def copies(state: dict) -> dict:
