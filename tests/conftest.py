@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +25,7 @@ from support import device_guard  # noqa: E402
 from support.environment import clean_env  # noqa: E402
 
 # fixtures of a real S3-compatible server on 127.0.0.1 (moto_s3, s3_bucket): support/s3.py
-pytest_plugins = ["support.s3"]
+pytest_plugins = ["support.s3", "support.process_guard"]
 
 # NCCL's rule on every collective, in this process and in every Python process a test starts (see device_guard)
 os.environ.setdefault(device_guard.DEVICE_VARIABLE, "cpu")
@@ -65,3 +69,48 @@ def saved_on_two(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dcp")
     run_job(2, str(out), "save")
     return out
+
+
+class _WarmParent:
+    """This pytest process's warm parent (support/warm_ranks.py), started when the first test wants warm ranks."""
+
+    def __init__(self) -> None:
+        self.proc: Any = None
+        self.path = ""
+        self.folder = ""
+
+    def socket(self) -> str:
+        if self.proc is None or self.proc.poll() is not None:
+            from support import warm_ranks
+
+            self.folder = tempfile.mkdtemp(prefix="fabric-warm-")
+            self.proc, self.path = warm_ranks.start_parent(self.folder, clean_env())
+        return self.path
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            if not os.environ.get("TEST_WARM_KEEP"):  # keep the folder's warm.sock.log: which programs ran warm
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_WARM = _WarmParent()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """The Python processes a ``procs`` test starts (its fixtures' too) run warm, unless it is marked ``cold`` (its
+    subject is starting a process) or ``TEST_WARM_RANKS=0`` asks for cold ones everywhere."""
+    from support.warm_ranks import VARIABLE
+
+    if os.environ.get(VARIABLE) != "0":
+        if item.get_closest_marker("procs") and not item.get_closest_marker("cold"):
+            os.environ[VARIABLE] = _WARM.socket()
+        else:
+            os.environ.pop(VARIABLE, None)
+    yield
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _WARM.stop()

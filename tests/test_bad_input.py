@@ -189,6 +189,7 @@ for strategy in ("ddp_spawn", "ddp"):
 """
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(200)
 def test_launch_from_python_c_and_python_i():
     launched = run([PYTHON, "-c", _LAUNCH_UNDER_C], timeout=100, env=job_environment())
@@ -263,6 +264,7 @@ def test_load_into_a_model_of_another_shape(checkpoint):
     assert checkpoint.read_bytes() == data
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_mismatched_collective_shapes_are_named_in_torch_debug_mode(tmp_path):
     """Ranks that all_reduce tensors of different shapes: gloo aborts (nothing hangs); with

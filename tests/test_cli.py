@@ -27,6 +27,8 @@ from support import PYTHON, REPO
 from support.loading import script_path
 from support.processes import fabric_run, read_ranks, run, start, wait_dead, wait_for_files
 
+pytestmark = pytest.mark.cold
+
 RANKS_ENV = script_path("multinode", "ranks_env.py")
 LINUX = sys.platform.startswith("linux")
 
@@ -65,6 +67,7 @@ def test_top_level_usage_version_and_unknown_command(capsys: pytest.CaptureFixtu
     assert code == 2 and "unknown command 'train'" in err and "accepted: run" in err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(30)
 def test_version_and_help_name_the_package_and_its_folder() -> None:
     """`python -m fabric` (and the console scripts, which run the same main) says whose command it is."""
@@ -91,6 +94,7 @@ def test_usage_lines_name_the_command_as_it_was_called() -> None:
     assert run_options.PROG == run_options.DISTRIBUTION == "fabric-torch"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_messages_to_the_ranks_name_the_command_as_it_was_typed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A conflict between an option and the code names `python -m fabric run` or `fabric-torch run`, as typed."""
@@ -127,6 +131,7 @@ packages = ["lightning_stand_in"]
 """
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not LINUX, reason="the virtual environment's layout (bin/) is the POSIX one")
 def test_with_lightnings_fabric_command_installed_last_our_names_still_run_ours(tmp_path: Path) -> None:
@@ -168,6 +173,7 @@ def test_with_lightnings_fabric_command_installed_last_our_names_still_run_ours(
     assert call("fabric", "run", "--accelerator", "cpu", str(script)) == "the stand-in for Lightning\n"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 def test_fabric_run_starts_ranks_without_importing_torch(tmp_path: Path) -> None:
     """The CLI process of a 2-rank `fabric run` imports no torch (nor numpy, lightning_utilities).
@@ -184,6 +190,7 @@ def test_fabric_run_starts_ranks_without_importing_torch(tmp_path: Path) -> None
     assert sorted(read_ranks(tmp_path)) == [0, 1]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 def test_the_core_and_the_environments_import_no_torch() -> None:
     code = (
@@ -249,6 +256,7 @@ def test_missing_or_absent_script_exits_2(capsys: pytest.CaptureFixture, tmp_pat
     assert code == 2 and "nope.py" in err and "does not exist" in err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(30)
 def test_bad_option_from_the_command_line_exits_2() -> None:
     """Through `python -m fabric`, as a user types it (the console scripts call the same main())."""
@@ -350,6 +358,7 @@ def test_choices_come_from_the_registries() -> None:
 # ---- real launches -------------------------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 def test_one_process_becomes_the_script_with_options_in_fabric_variables(tmp_path: Path) -> None:
     script = tmp_path / "show.py"
@@ -374,6 +383,7 @@ def test_one_process_becomes_the_script_with_options_in_fabric_variables(tmp_pat
     assert shown["precision"] == "bf16-mixed" and shown["device"] == "cpu"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 def test_two_processes_get_rank_variables(tmp_path: Path) -> None:
     result = run(fabric_run("--devices", "2", RANKS_ENV, tmp_path, "--lr", "1"), timeout=35)
@@ -394,6 +404,7 @@ def test_two_processes_get_rank_variables(tmp_path: Path) -> None:
         assert record["argv"] == ["--lr", "1"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 def test_a_failing_rank_ends_the_job_with_its_exit_status(tmp_path: Path) -> None:
     started = time.monotonic()
@@ -424,6 +435,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("how", "status", "said"),
@@ -447,6 +459,7 @@ def test_the_job_ends_with_the_failing_ranks_own_status_and_counts_the_others(
     assert reports[0].endswith("; stopping the other 1 rank(s) on this node"), result.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 def test_waiting_for_a_slow_rank_costs_no_cpu(tmp_path: Path) -> None:
     """Rank 1 ends at once, rank 0 after 5 s: `fabric run` must sleep meanwhile, not spin."""
@@ -457,6 +470,7 @@ def test_waiting_for_a_slow_rank_costs_no_cpu(tmp_path: Path) -> None:
     assert usage.ru_utime + usage.ru_stime < 3.5  # importing fabric is most of it; a busy wait adds ~5 s
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_to_the_cli_stops_every_rank(tmp_path: Path, signum: int) -> None:
@@ -472,6 +486,7 @@ def test_a_signal_to_the_cli_stops_every_rank(tmp_path: Path, signum: int) -> No
     wait_dead([r["pid"] for r in read_ranks(tmp_path).values()], timeout=5)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(40)
 @pytest.mark.skipif(not LINUX, reason="parent-death signals are a Linux feature")
 def test_ranks_die_when_the_cli_is_killed_outright(tmp_path: Path) -> None:

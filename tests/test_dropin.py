@@ -143,12 +143,14 @@ def ddp_results(tmp_path_factory):
         return fabric.launch(dropin_checks.dropin_job, str(directory))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_ddp_marked_method_synchronizes_gradients(ddp_results):
     assert ddp_results["marked_method_grads_agree"] is True
     assert "mark_forward_method('evaluate')" in ddp_results["unmarked_method"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_ddp_compiled_module_is_wrapped_inside_and_synchronizes(ddp_results):
     assert ddp_results["compiled_forward_module"] == "OptimizedModule"
@@ -157,6 +159,7 @@ def test_ddp_compiled_module_is_wrapped_inside_and_synchronizes(ddp_results):
     assert ddp_results["compiled_grads_agree"] is True
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_ddp_is_shared_filesystem(ddp_results):
     assert ddp_results["shared_filesystem"] is True
@@ -429,6 +432,7 @@ def test_find_usable_cuda_devices_without_gpus():
 # ---- a script in the style of Lightning Fabric's examples ---------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_a_lightning_style_script_runs_on_one_process(tmp_path, subprocess_env):
     import json
@@ -484,6 +488,7 @@ def run_two_rank_script(name: str, outdir: Path) -> tuple[list[dict], str]:
     return [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(2)], result.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_dp_on_the_cpu_runs_ddp_with_sharded_data(tmp_path):
     ranks, stderr = run_two_rank_script("dp_on_cpu.py", tmp_path)
@@ -494,6 +499,7 @@ def test_dp_on_the_cpu_runs_ddp_with_sharded_data(tmp_path):
     assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_fsdp_compiled_module_is_sharded_inside_and_trains(tmp_path):
     ranks, _ = run_two_rank_script("compiled_fsdp.py", tmp_path)

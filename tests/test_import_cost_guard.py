@@ -20,6 +20,8 @@ import pytest
 from support import REPO
 from support.environment import clean_env
 
+pytestmark = pytest.mark.cold
+
 SUPERVISION = REPO / "fabric" / "supervision"
 # found on disk, not by importing the package: a new module is checked without being listed here
 SUPERVISION_MODULES = sorted(f"fabric.supervision.{info.name}" for info in pkgutil.iter_modules([str(SUPERVISION)]))
@@ -66,6 +68,7 @@ def test_every_supervision_module_is_checked() -> None:
     } <= set(SUPERVISION_MODULES)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("module", ["fabric.cli", "fabric.supervision", *SUPERVISION_MODULES])
 def test_importing_imports_no_torch(module: str) -> None:
@@ -76,6 +79,7 @@ def test_importing_imports_no_torch(module: str) -> None:
     assert not heavy, f"importing {module} imported {heavy}"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("module", ["fabric.supervision", *SUPERVISION_MODULES])
 def test_supervision_imports_no_upper_layer(module: str) -> None:

@@ -44,6 +44,7 @@ def _lightning_cli_run(script: Path, options: dict[str, str], nprocs: int = 2):
     return run(command, timeout=60, env=env, check=False)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_fabric_joins_the_group_at_construction_under_lightnings_cli(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
@@ -57,6 +58,7 @@ def test_fabric_joins_the_group_at_construction_under_lightnings_cli(tmp_path: P
         assert report["precision"] == "bf16-mixed" and report["accelerator"] == "CPUAccelerator"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_conflict_with_lightnings_cli_options_names_them(tmp_path: Path) -> None:
     script = tmp_path / "conflict.py"

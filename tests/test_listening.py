@@ -24,6 +24,8 @@ from support.loading import script_path
 from support.processes import fabric_run, finish, read_ranks, start, wait_for_files
 from support.sockets import descendants, listening_addresses, not_on_loopback
 
+pytestmark = pytest.mark.cold
+
 if not sys.platform.startswith("linux"):
     pytest.skip("the listening sockets are read from /proc", allow_module_level=True)
 
@@ -181,6 +183,7 @@ def _hold_and_read(procs: list, out: Path, ranks: int) -> set[tuple[str, int, in
     return listening_now
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", ["fabric run", "launch() popen", "launch(fn) spawn"])
 def test_a_one_machine_job_listens_on_loopback_only(tmp_path: Path, how: str) -> None:
@@ -198,6 +201,7 @@ def test_a_one_machine_job_listens_on_loopback_only(tmp_path: Path, how: str) ->
         assert record["ifname"]["GLOO_SOCKET_IFNAME"] == "lo"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(150)
 def test_two_nodes_with_their_node_rendezvous_listen_on_the_main_address_only(tmp_path: Path) -> None:
     """`--num-nodes 2 --max-restarts 1` on 127.0.0.1: the node rendezvous's store (in node 0's `fabric run`),

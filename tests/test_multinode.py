@@ -28,6 +28,8 @@ from support.environment import clean_env, free_port
 from support.loading import script_path
 from support.processes import fabric_run, finish, read_ranks, start, wait_dead
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 JOB = script_path("multinode", "ddp_job.py")
 LINUX = sys.platform.startswith("linux")
 STEPS, BATCH = 4, 4

@@ -47,6 +47,7 @@ def _check_patterns(reports: list[dict[str, Any]], threads: int) -> None:
         assert report["experiment"] == ("CSVLogger" if rank == 0 else "NoOpExperiment")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_patterns_under_fabric_run(tmp_path: Path) -> None:
     run(fabric_run("--accelerator", "cpu", "--devices", "2", script_path("dropin", "real_patterns.py"), tmp_path), timeout=110)
@@ -57,6 +58,7 @@ def test_patterns_under_fabric_run(tmp_path: Path) -> None:
         assert report["rng_kept_by_join"], "joining must not reseed a process that has seeded"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("launch", ["popen", "spawn"])
 def test_patterns_under_launch(tmp_path: Path, launch: str) -> None:
@@ -71,6 +73,7 @@ def test_patterns_under_launch(tmp_path: Path, launch: str) -> None:
             assert report["rng_is_seed_state"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_thread_count_the_user_set_is_kept(tmp_path: Path) -> None:
     env = clean_env(OMP_NUM_THREADS="2")
@@ -78,6 +81,7 @@ def test_a_thread_count_the_user_set_is_kept(tmp_path: Path) -> None:
     assert [report["threads"] for report in _reports(tmp_path, 2)] == [2, 2]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(150)
 def test_collectives_with_groups_of_their_own_beside_ddp(tmp_path: Path) -> None:
     run(fabric_run("--accelerator", "cpu", "--devices", "3", script_path("dropin", "decoupled.py"), tmp_path), timeout=140)
@@ -144,6 +148,7 @@ def test_no_backward_sync_refuses_a_module_not_set_up_at_the_call() -> None:
         fabric.no_backward_sync(nn.Linear(2, 2))  # no `with`: the call itself raises
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_mesh_that_does_not_fit_raises_value_and_runtime_error(tmp_path: Path) -> None:
     code = (
@@ -278,6 +283,7 @@ def test_names_lightning_programs_import() -> None:
         SingleDeviceCollective().group  # noqa: B018
 
 
+@pytest.mark.procs
 def test_submodules_are_reached_as_attributes_of_the_lazy_packages() -> None:
     code = (
         "import sys, fabric, fabric.utilities, fabric.strategies, fabric.plugins\n"

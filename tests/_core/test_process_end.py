@@ -15,6 +15,8 @@ import pytest
 from fabric._core import process_end
 from support.environment import clean_env
 
+pytestmark = pytest.mark.cold
+
 
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,6 +70,7 @@ def test_a_second_caller_waits_for_the_run_under_way(registry: None) -> None:
     runner.join(10)
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(30)
 def test_a_hung_callback_keeps_a_hard_end_waiting_only_for_the_timeout(registry: None) -> None:
     hang = threading.Event()
@@ -93,6 +96,7 @@ print(os.getpid(), pid)  # the parent's callbacks run at its normal end, through
 """
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_runs_what_its_parent_registered_and_so_does_the_parent(tmp_path: Path) -> None:
@@ -126,6 +130,7 @@ _SIGTERM_SCRIPT = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="a forked child")
 @pytest.mark.parametrize("mode", ["default", "user handler"])

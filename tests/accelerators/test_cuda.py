@@ -151,6 +151,7 @@ NCCL_JOB = textwrap.dedent(
 )
 
 
+@pytest.mark.procs
 def test_one_rank_ddp_job_on_nccl(tmp_path):
     script = tmp_path / "nccl_job.py"
     script.write_text(NCCL_JOB)

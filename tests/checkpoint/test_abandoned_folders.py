@@ -22,6 +22,8 @@ from fabric.plugins.io import publish
 from support.environment import clean_env
 from support.processes import alive
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 if not sys.platform.startswith("linux"):
     pytest.skip("a real SIGKILL of a writer process", allow_module_level=True)
 

@@ -302,6 +302,7 @@ def test_random_damage_gives_a_clear_error_and_no_change_or_the_exact_values(pri
 # ---- two processes under FSDP: no rank changes anything -------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
 def test_a_damaged_shard_changes_neither_rank_under_fsdp(saved_on_two, tmp_path, damage):
@@ -327,6 +328,7 @@ def test_a_damaged_shard_changes_neither_rank_under_fsdp(saved_on_two, tmp_path,
 # ---- a full disk while the shards are written ------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_a_sharded_save_into_a_file_size_limit_keeps_the_old_checkpoint_and_leaves_no_temp_folder(tmp_path):
     script = tmp_path / "limit.py"

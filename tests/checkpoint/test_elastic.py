@@ -29,7 +29,7 @@ JOB = script_path("resize", "elastic_job.py")
 SAMPLES = 64  # the job's dataset: ids 0..63, batches of 2 per rank
 QUICK_RENDEZVOUS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5"
 
-pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+pytestmark = [pytest.mark.procs, pytest.mark.cold, pytest.mark.usefixtures("clean_fabric_env")]
 
 
 def _node(out: Path, port: int, node_rank: int, *options: object) -> subprocess.Popen:

@@ -49,6 +49,7 @@ def _finish(proc: subprocess.Popen, what: str) -> None:
     assert proc.returncode == 0, f"the {what} run failed:\n{output[-4000:]}"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("where", ["disk", "bucket"])
 def test_ddp_run_stopped_mid_epoch_resumes_bit_identically(tmp_path, where, request):
@@ -174,6 +175,7 @@ def test_without_the_loader_state_the_resumed_run_diverges(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(params, resumed))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_resume_with_worker_processes_keeps_order_and_loop_randomness(tmp_path):
     # (random numbers drawn inside the workers are not replayed mid-epoch: see docs/resume.md)

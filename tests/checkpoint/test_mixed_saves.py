@@ -202,6 +202,7 @@ def assemble(saves: Path, folder: Path, picks: dict[str, tuple[str, str]]) -> No
 NAMES = [INDEX_FILE, OBJECTS_FILE, "__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mix", ["older", "swapped", "copied", "objects-of-a"])
 def test_a_mixed_folder_is_refused_on_both_ranks_under_fsdp_and_changes_nothing(saved_twice_on_two, tmp_path, mix):
@@ -249,6 +250,7 @@ def equal(a: dict[str, object], b: dict[str, object]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a)
 
 
+@pytest.mark.procs
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     saves=st.lists(st.sampled_from(["gen-a", "gen-b"]), min_size=4, max_size=4),

@@ -123,6 +123,7 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_save_on_a_read_only_file_system_names_the_checkpoint(fabric: Fabric, small_tmpfs: Path) -> None:
     target = small_tmpfs / "ckpt.pt"
@@ -135,6 +136,7 @@ def test_a_save_on_a_read_only_file_system_names_the_checkpoint(fabric: Fabric, 
     assert target.read_bytes() == before
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_disk_that_fills_during_the_shard_write_says_so(small_tmpfs: Path) -> None:
     big = nn.Linear(1024, 1024)  # 4 MiB of weights on a 1 MiB file system

@@ -45,6 +45,7 @@ def reports(out: Path, tag: str, processes: int) -> list[dict]:
     return [json.loads((out / f"{tag}-rank{rank}.json").read_text()) for rank in range(processes)]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("strategy", "saved_on", "resumed_on"),
@@ -85,6 +86,7 @@ def test_the_rest_of_an_epoch_is_split_as_the_sampler_splits_a_whole_one():
 # ---- a loader of the user's with a state of its own -------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("strategy", "saved_on", "resumed_on"), [("ddp", 2, 1), ("ddp", 2, 3), ("fsdp", 2, 3)])
 def test_a_stateful_user_loader_continues_on_another_number_of_processes(tmp_path, strategy, saved_on, resumed_on):
@@ -103,6 +105,7 @@ def test_a_stateful_user_loader_continues_on_another_number_of_processes(tmp_pat
     assert all(torch.equal(a[name], b[name]) for name in a), "the same resize twice gave other parameters"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_stateful_loader_without_the_protocol_is_refused_on_every_rank_before_anything_loads(tmp_path):
     run(tmp_path, "save", "ddp", "2", str(STEPS), "fixed")

@@ -35,7 +35,7 @@ NODE_ATTEMPTS = script_path("resilience", "node_attempts.py")
 TOTAL_STEPS = 16  # 2 epochs of 64 samples in batches of 4 per rank, on 2 ranks (8 on 4 ranks)
 DIE_AT = 7  # rank 1 dies before its 8th step: the last checkpoint is step 6
 
-pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+pytestmark = [pytest.mark.procs, pytest.mark.cold, pytest.mark.usefixtures("clean_fabric_env")]
 
 
 def _final(folder, rank: int) -> dict:
@@ -238,6 +238,7 @@ def test_a_restarted_attempt_never_reads_the_failed_attempts_addresses() -> None
     del agent_store
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(120)
 def test_a_node_waiting_for_the_others_ends_at_once_on_a_signal(tmp_path) -> None:
     """Node 1 alone (node 0 never comes): it waits in the rendezvous, yet Ctrl-C ends it within seconds."""

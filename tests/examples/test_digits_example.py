@@ -21,7 +21,7 @@ FABRIC = EXAMPLES / "train_fabric.py"
 VAL_SIZE = 359  # 1797 // 5 images held out
 
 missing = [name for name in ("sklearn", "matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"the examples need {missing}: pip install fabric-torch[examples]")
+pytestmark = [pytest.mark.procs, pytest.mark.skipif(bool(missing), reason=f"the examples need {missing}: pip install fabric-torch[examples]")]
 
 
 def _check_png(path: Path) -> None:

@@ -14,6 +14,8 @@ import pytest
 
 from support import REPO
 
+pytestmark = pytest.mark.procs
+
 EXAMPLES = REPO / "examples"
 SHORT = ["--epochs", "3", "--samples", "512", "--seed", "7"]
 _EPOCH = re.compile(r"^epoch (\d+) loss (\S+)$", re.MULTILINE)

@@ -17,7 +17,7 @@ from support.processes import run
 EXAMPLE = REPO / "examples" / "transformer" / "train_fabric.py"
 
 missing = [name for name in ("matplotlib", "tqdm") if importlib.util.find_spec(name) is None]
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"the example needs {missing}: pip install fabric-torch[examples]")
+pytestmark = [pytest.mark.procs, pytest.mark.skipif(bool(missing), reason=f"the example needs {missing}: pip install fabric-torch[examples]")]
 
 
 def _png_size(path: Path) -> tuple[int, int]:

@@ -348,6 +348,7 @@ def _with_timeouts() -> list[Any]:
     return [pytest.param(name, marks=pytest.mark.timeout(timeout)) for name, (_, timeout) in CHECKS.items()]
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", _with_timeouts())
 def test_on_the_gpu(name: str, tmp_path: Path) -> None:
@@ -355,6 +356,7 @@ def test_on_the_gpu(name: str, tmp_path: Path) -> None:
     check("cuda", tmp_path)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", _with_timeouts())
 def test_on_the_cpu(name: str, tmp_path: Path) -> None:
     """Gloo instead of NCCL; where the CPU cannot take the GPU's path the check says what it runs instead

@@ -37,6 +37,7 @@ def _no_gpu_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_make_gpu_check_on_a_cpu_machine_says_no_gpu_and_exits_non_zero(tmp_path):
     out = tmp_path / "out"
@@ -123,6 +124,7 @@ def test_part_timeouts_keep_the_later_parts_time_within_the_budget():
     assert tool.part_timeout("bench_load", now + 5, now, []) == tool.PARTS["bench_load"][1]
 
 
+@pytest.mark.procs
 def test_a_part_past_its_timeout_is_stopped_with_its_children(tmp_path):
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('started', flush=True); time.sleep(60)"
     start = time.monotonic()
@@ -133,6 +135,7 @@ def test_a_part_past_its_timeout_is_stopped_with_its_children(tmp_path):
     assert failed["status"] == "failed" and failed["returncode"] == 3
 
 
+@pytest.mark.procs
 def test_the_gpu_parts_plumbing_with_cpu_commands(tmp_path):
     """The benchmark parts as a GPU run does them, with the CPU's versions of their commands: the
     JSON holds each part's result as soon as it ends, a benchmark that fails is recorded, and the exit status says so."""

@@ -154,6 +154,7 @@ def test_csv_hyperparameters(tmp_path: Path) -> None:
         logger.log_hyperparams([("lr", 1)])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(30)
 def test_csv_rows_are_written_when_the_script_ends_without_finalize(tmp_path: Path) -> None:
     """... and importing the loggers imports no tensorboard (it is imported when a logger is built)."""
@@ -178,6 +179,7 @@ def test_loggers_write_nothing_on_other_ranks(tmp_path: Path, as_rank: Any) -> N
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_only_rank_zero_writes_in_a_two_process_job(tmp_path: Path) -> None:
     args = ["--tensorboard"] if HAS_TENSORBOARD else []
@@ -352,6 +354,7 @@ else:
 """
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("strategy", "ending"),

@@ -214,6 +214,7 @@ def test_tensorboard_logger_keeps_the_local_files_when_the_store_fails(s3_bucket
 # ---- at exit ------------------------------------------------------------------------------------
 
 
+@pytest.mark.procs
 @needs_tensorboard
 @pytest.mark.timeout(90)
 def test_logs_reach_the_bucket_when_the_script_ends_without_finalize(s3_bucket: str, tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ def test_a_missing_bitsandbytes_names_the_package_to_install(monkeypatch):
     assert raised.value.name == "bitsandbytes"
 
 
+@pytest.mark.procs
 def test_importing_fabric_and_the_plugin_imports_no_bitsandbytes():
     code = "import sys, fabric, fabric.plugins; fabric.plugins.BitsandbytesPrecision; print('bitsandbytes' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -43,6 +43,7 @@ def test_the_suite_runs_under_the_guard():
     assert getattr(torch.distributed.distributed_c10d.all_gather_into_tensor, "_device_guarded", False)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_the_guard_refuses_a_tensor_off_the_group_device(tmp_path):
     results = _job("guard", tmp_path)
@@ -52,6 +53,7 @@ def test_the_guard_refuses_a_tensor_off_the_group_device(tmp_path):
         assert "serves cpu only" in results[rank]["refused"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_set_up_broadcast_sends_rank_zeros_weights_through_the_root_device(tmp_path):
     """A module made off the root device gets rank 0's values and stays where it was made."""
@@ -63,6 +65,7 @@ def test_set_up_broadcast_sends_rank_zeros_weights_through_the_root_device(tmp_p
     assert results[1]["tensors"]["0.weight"] == reference[0].weight.reshape(-1).tolist()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_collectives_move_their_inputs_to_the_root_device(tmp_path):
     results = _job("collectives", tmp_path)
@@ -76,6 +79,7 @@ def test_collectives_move_their_inputs_to_the_root_device(tmp_path):
         assert results[rank]["frozen"] == ["Frozen", "1", [1.0, 1.0]]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_fsdp_set_up_sends_rank_zeros_weights_in_a_few_broadcasts(tmp_path):
     log = tmp_path / "log"

@@ -152,6 +152,7 @@ def test_examples_are_fixed_and_varied():
     assert all(word in text for word in ("{", "[", "(", "tensor", "True", "."))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("op", checks.REDUCE_OPS)
 def test_all_reduce_matches_numpy(reduced, op):

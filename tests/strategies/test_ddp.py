@@ -273,42 +273,50 @@ def check_checkpoint(ranks):
         assert ckpt["strategy_loaded_into_ddp"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_ranks_world_size_device(popen):
     check_ranks(popen["ranks"])
     assert [popen["ranks"][r]["launch_returned_in_rank"] for r in (0, 1)] == [0, 1]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_gradients_are_the_mean_of_local_gradients(popen):
     check_gradients_and_steps(popen["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_training_converges_with_identical_replicas(popen):
     check_training(popen["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_all_gather_sync_grads(popen):
     check_sync_grads(popen["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_collectives(popen):
     check_collectives(popen["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_no_backward_sync_accumulates_the_big_batch_gradient(popen):
     check_accumulation(popen["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_checkpoint_written_by_rank0_loaded_by_all(popen):
     check_checkpoint(popen["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_print_and_rank_zero_first(popen):
     assert popen["stdout"].count(checks.PRINT_MARKER) == 1
@@ -316,6 +324,7 @@ def test_popen_print_and_rank_zero_first(popen):
     assert popen["ranks"][1]["rank_zero_first"] is True, "rank 1 entered before rank 0 had finished the block"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_model_averaging_drift_and_agree(popen):
     for rank in (0, 1):
@@ -325,6 +334,7 @@ def test_popen_model_averaging_drift_and_agree(popen):
         assert averaging["default"] == [True] * 7  # gradients reduced within the machine keep replicas equal
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_popen_fp16_compressed_comm_hook(popen):
     for rank in (0, 1):
@@ -346,6 +356,7 @@ def spawn(tmp_path_factory):
         return fabric.launch(checks.spawn_job, str(directory))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_spawn_returns_rank0_value_with_cpu_tensor(spawn):
     assert set(spawn) == {"ranks", "tensor", "pid"}
@@ -354,24 +365,28 @@ def test_spawn_returns_rank0_value_with_cpu_tensor(spawn):
     check_ranks(spawn["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_spawn_gradients_steps_and_training(spawn):
     check_gradients_and_steps(spawn["ranks"])
     check_training(spawn["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_spawn_collectives_and_sync_grads(spawn):
     check_collectives(spawn["ranks"])
     check_sync_grads(spawn["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_spawn_accumulation_and_checkpoint(spawn):
     check_accumulation(spawn["ranks"])
     check_checkpoint(spawn["ranks"])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_fork_launch_returns_rank0_tensor(clean_env):
     fabric = Fabric(accelerator="cpu", strategy="ddp_fork", devices=2)
@@ -386,6 +401,7 @@ def test_fork_launch_returns_rank0_tensor(clean_env):
 # ---- a failing rank ends the whole job ------------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_popen_failing_rank_ends_the_job_quickly(tmp_path, failing_rank):
@@ -399,6 +415,7 @@ def test_popen_failing_rank_ends_the_job_quickly(tmp_path, failing_rank):
     assert time.monotonic() - start < 30, "the peer waiting in a barrier must not hold the job up"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_spawn_failing_rank_raises_in_the_caller(clean_env):
     fabric = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2)
@@ -411,6 +428,7 @@ def test_spawn_failing_rank_raises_in_the_caller(clean_env):
     assert info.value.rank == 1
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(150)
 def test_a_failed_rank0_save_raises_the_same_error_on_every_rank(clean_env, tmp_path):
     """Rank 0's write fails and the user catches it: no rank is left waiting inside save()."""
@@ -430,6 +448,7 @@ def test_a_failed_rank0_save_raises_the_same_error_on_every_rank(clean_env, tmp_
     assert ranks[0]["files"] == ["a-file", "good.pt"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread names from /proc")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tensor_parallel"])

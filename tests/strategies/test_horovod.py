@@ -27,6 +27,8 @@ from support import REPO
 from support.environment import clean_env
 from support.loading import script_path
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 pytest.importorskip("horovod", reason="Horovod is not installed; `make horovod` (scripts/build_horovod.sh) builds it")
 
 ROOT = REPO

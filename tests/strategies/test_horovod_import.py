@@ -13,6 +13,8 @@ import pytest
 
 from support import REPO
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 ROOT = REPO
 
 

@@ -23,6 +23,8 @@ from support.environment import free_port, job_environment
 from support.loading import script_path
 from support.processes import fabric_run, run
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 JOB = script_path("ddp", "short_job.py")
 _JOB_TIMEOUT = 60
 _PARALLEL = 2

@@ -139,6 +139,7 @@ def test_clip_norm_refuses_nonfinite_gradients():
         clip_grad_norm_over_shards([param], 1.0)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_model_parallel_under_the_spawn_launcher(clean_env):
     """start_method="spawn": two workers run the function; rank 0's result comes back here."""
@@ -196,6 +197,7 @@ def job4(job2, tmp_path_factory):
     return torchrun_job(4, tmp_path_factory, str(job2["outdir"] / "checkpoints"))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("check", ["fsdp", "shard_grad_op_joint", "no_shard", "accumulate"])
 def test_fsdp_training_equals_one_process_at_2(job2, check):
@@ -208,6 +210,7 @@ def test_fsdp_training_equals_one_process_at_2(job2, check):
             assert results[check]["clipped"] > 0  # the clipping really changed the gradients
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_bf16_mixed_under_fsdp(job2):
     for _rank, results in _ranks(job2):
@@ -219,6 +222,7 @@ def test_bf16_mixed_under_fsdp(job2):
         assert measured["losses"][-1] < measured["losses"][0], measured
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_wrongly_ordered_set_up_says_how_to_order_it(job2):
     for _rank, results in _ranks(job2):
@@ -229,17 +233,20 @@ def test_wrongly_ordered_set_up_says_how_to_order_it(job2):
         assert messages["after_good_setup"] == "FabricOptimizer" or messages["after_good_setup"].endswith("AdamW")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_fsdp_shards_parameters_at_2(job2):
     assert job2[0]["fsdp"]["local_numel"] * 2 == job2[0]["no_shard"]["local_numel"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_collectives_under_fsdp(job2):
     for _rank, results in _ranks(job2):
         assert results["collectives"] == {"sum": 1.0, "gathered": [0, 1], "broadcast": {"from": 0}, "any_stop": True}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_empty_init_never_allocates_the_full_model(job2):
     for _rank, results in _ranks(job2):
@@ -250,6 +257,7 @@ def test_empty_init_never_allocates_the_full_model(job2):
         assert measured["peak_growth"] < 0.8 * measured["full_bytes"], measured
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("check", ["fsdp", "hybrid", "tp", "tp_accumulate"])
 def test_training_equals_one_process_at_4(job4, check):
@@ -260,6 +268,7 @@ def test_training_equals_one_process_at_4(job4, check):
             assert results[check]["norm_diff"] <= TOLERANCE, (rank, results[check])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_tensor_parallel_mesh_and_empty_init_at_4(job4):
     for _rank, results in _ranks(job4):
@@ -271,6 +280,7 @@ def test_tensor_parallel_mesh_and_empty_init_at_4(job4):
         assert results["empty_init"]["local_bytes"] <= results["empty_init"]["full_bytes"] / 4 * 1.01
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_sharded_and_full_checkpoints_resume_exactly_at_2(job2):
     """A folder of shards (one file per rank plus metadata) and a full file that torch.load reads; each
@@ -286,6 +296,7 @@ def test_sharded_and_full_checkpoints_resume_exactly_at_2(job2):
     assert job2[0]["checkpoint"]["full_file_diff"] <= TOLERANCE and job2[0]["checkpoint"]["full_file_step"] == 3
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_folder_of_shards_loads_into_a_plain_model_in_this_process(job2):
     from fabric.checkpoint.sharded_folder import load_sharded
@@ -300,6 +311,7 @@ def test_folder_of_shards_loads_into_a_plain_model_in_this_process(job2):
     assert len(optimizer.state) == len(list(model.parameters()))  # AdamW's moments came back too
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("check", ["reshard_fsdp", "reshard_tp", "full_to_tp"])
 def test_checkpoints_of_2_ranks_load_into_4(job4, check):

@@ -8,7 +8,7 @@ the current CUDA device. ``TEST_COLLECTIVE_LOG`` (a folder) makes every process 
 collective to ``<pid>.log``: ``name world|group devices numels``, so tests can count what was sent.
 
 The tests' ``conftest.py`` turns the guard on for the test process and, through ``sitecustomize`` in
-``device_guard_site/`` on ``PYTHONPATH``, for every Python process a test starts. It patches
+``child_site/`` on ``PYTHONPATH``, for every Python process a test starts. It patches
 ``torch.distributed`` when that is first imported, so processes that never import torch pay nothing.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 DEVICE_VARIABLE = "TEST_COLLECTIVE_DEVICE"
 LOG_VARIABLE = "TEST_COLLECTIVE_LOG"
-SITE_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_guard_site")
+SITE_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child_site")
 
 # torch.distributed's collectives that take tensors (the object collectives call these with their buffers)
 COLLECTIVES = (

@@ -29,6 +29,7 @@ def _assert_disjoint_cover(shards, everything):
     assert sorted(shards[0] + shards[1]) == sorted(everything)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_shuffled_shards_are_disjoint_cover_and_reshuffle_each_epoch(data):
     rank0, rank1 = data
@@ -42,6 +43,7 @@ def test_shuffled_shards_are_disjoint_cover_and_reshuffle_each_epoch(data):
     assert epochs[0][0] != list(range(0, 20, 2))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_ordered_loader_is_sharded_in_order(data):
     rank0, rank1 = data
@@ -49,6 +51,7 @@ def test_ordered_loader_is_sharded_in_order(data):
     assert rank1["ordered"] == list(range(1, 20, 2))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_users_own_sampler_is_kept_and_sharded(data):
     rank0, rank1 = data
@@ -59,6 +62,7 @@ def test_users_own_sampler_is_kept_and_sharded(data):
     assert rank1["custom"] == list(range(18, -1, -2))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_without_distributed_sampler_every_rank_sees_everything(data):
     rank0, rank1 = data

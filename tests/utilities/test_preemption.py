@@ -31,7 +31,7 @@ from support.processes import fabric_run, finish, start
 JOB = script_path("resilience", "keep_going_job.py")
 TOTAL_STEPS = 16  # 2 epochs x 8 steps per rank (64 samples, batch 4, 2 ranks)
 
-pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+pytestmark = [pytest.mark.cold, pytest.mark.usefixtures("clean_fabric_env")]
 
 
 def _wait_for_step(folder: Path, rank: int, step: int, procs: list[subprocess.Popen], timeout: float = 90) -> None:
@@ -87,6 +87,7 @@ def _pid(folder: Path, rank: int, attempt: int = 0) -> int:
     return int(path.read_text())
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(400)
 def test_sigusr1_under_slurm_stops_all_ranks_at_one_step_requeues_and_the_requeued_job_resumes_exactly(
     tmp_path: Path, uninterrupted: Path
@@ -118,6 +119,7 @@ def test_sigusr1_under_slurm_stops_all_ranks_at_one_step_requeues_and_the_requeu
     assert (tmp_path / "scontrol.log").read_text().splitlines() == ["requeue 4242"]  # not pre-empted again
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_sigterm_to_the_launching_process_stops_every_rank_cleanly_without_requeue(tmp_path: Path) -> None:
     """As Kubernetes does: SIGTERM to the container's main process only (here rank 0 of Fabric's launcher)."""
@@ -152,6 +154,7 @@ def _assert_final_params_match(folder: Path, uninterrupted: Path, stopped_at: in
             assert torch.equal(resumed["params"][name], value), f"rank {rank}: {name} differs from the uninterrupted run"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
 def test_a_signal_to_fabric_run_reaches_every_rank_which_stop_at_one_step_and_the_next_run_resumes_exactly(
@@ -188,6 +191,7 @@ _ONE_PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
 def test_one_process_hears_the_signal_once_listening(name: str, subprocess_env) -> None:

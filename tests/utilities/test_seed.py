@@ -135,6 +135,7 @@ def test_seed_record_is_info_from_the_seed_module_with_the_rank(caplog, monkeypa
     ]
 
 
+@pytest.mark.procs
 def test_seed_record_is_shown_by_default(subprocess_env):
     import subprocess
     import sys
@@ -189,6 +190,7 @@ def test_worker_init_function_gives_distinct_reproducible_streams():
     assert _worker_draw(2000, 2, 1) != streams[(2, 1)]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_worker_init_function_in_real_workers():
     seed_everything(3)
@@ -210,6 +212,7 @@ def _numpy_draw(batch):
     return float(np.random.rand())
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_seed_everything_workers_gives_set_up_loaders_the_seeding_worker_init_fn():
     fabric = Fabric(accelerator="cpu", devices=1)

@@ -34,6 +34,8 @@ from fabric.plugins.environments import (
 from support import REPO
 from support.loading import script_path
 
+pytestmark = pytest.mark.cold
+
 REPO_ROOT = REPO
 
 # Every variable any environment looks at; cleared before each test so the developer's shell can't leak in.
@@ -724,6 +726,7 @@ def test_mpi_validate_settings(monkeypatch):
     assert env.world_size() == 1
 
 
+@pytest.mark.procs
 def test_import_does_not_import_mpi4py(tmp_path):
     # A findable fake mpi4py: if anything imported it eagerly, it would show up in sys.modules.
     pkg = tmp_path / "mpi4py"

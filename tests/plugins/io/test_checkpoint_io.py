@@ -428,6 +428,7 @@ def test_a_failing_save_keeps_the_old_file_and_leaves_no_temp(tmp_path):
     assert temp_files(tmp_path) == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_stale_temp_files_of_dead_writers_are_ignored_by_load_and_removed_by_the_next_save(tmp_path):
     dead = subprocess.run(
@@ -543,6 +544,7 @@ def _kill_torch_writers(writers: Writers, folder: Path, rng: random.Random) -> t
     return KILLED_SAVES, torn
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_sigkill_mid_save_tears_torch_save_but_never_fabric_save(tmp_path, subprocess_env):
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))

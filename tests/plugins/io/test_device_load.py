@@ -475,6 +475,7 @@ def test_fabric_load_into_a_gpu_model_reads_through_pinned_buffers_and_a_damaged
     assert same(after[0], before[0]) and same(after[1], before[1])
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a CUDA device")
 def test_the_gpu_load_benchmark_says_so_and_fails_without_a_cuda_device(tmp_path):
     script = Path(__file__).resolve().parents[3] / "benchmarks" / "checkpoint_load.py"

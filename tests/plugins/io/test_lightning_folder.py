@@ -45,6 +45,7 @@ def assert_same_state(actual: dict, expected: dict) -> None:
             assert torch.equal(torch.as_tensor(actual["optimizer"]["state"][number][name]), torch.as_tensor(value)), (number, name)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_lightning_layout_from_two_fsdp_processes_loads_into_one_plain_process(saved_on_two):
     folder = saved_on_two / "lightning-layout"
@@ -58,6 +59,7 @@ def test_lightning_layout_from_two_fsdp_processes_loads_into_one_plain_process(s
     assert_same_state({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, reference)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_lightning_layout_loads_into_two_sharded_processes(saved_on_two, tmp_path):
     reference = torch.load(saved_on_two / "reference-rank0.pt", weights_only=True)
@@ -68,6 +70,7 @@ def test_lightning_layout_loads_into_two_sharded_processes(saved_on_two, tmp_pat
         assert_same_state(loaded, reference)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_consolidate_reads_the_lightning_layout(saved_on_two, tmp_path):
     out = tmp_path / "whole.pt"

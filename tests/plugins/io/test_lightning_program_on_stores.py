@@ -13,7 +13,7 @@ from support.loading import script_path
 from support.processes import run
 from support.s3 import s3_objects
 
-pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+pytestmark = [pytest.mark.procs, pytest.mark.usefixtures("clean_fabric_env")]
 
 
 def _run(url: str, devices: int, cwd: Path) -> str:

@@ -241,6 +241,7 @@ def assert_same(loaded: dict, reference: dict) -> None:
             assert torch.equal(torch.as_tensor(loaded["optimizer"]["state"][number][name]), torch.as_tensor(value)), (number, name)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(600)
 def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_on_two_and_on_one(bucket: str, tmp_path) -> None:
     """On the bucket: a 2-process FSDP job saves sharded (sync, then async), then a save in which rank 1's upload
@@ -288,6 +289,7 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
     assert_same(loaded, single)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_two_process_model_parallel_sharded_checkpoint_on_the_bucket(bucket: str, tmp_path) -> None:
     """ModelParallelStrategy (tensor parallel over 2 processes) saves its DCP shards to the bucket and loads them back;

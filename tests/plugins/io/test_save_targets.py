@@ -87,6 +87,7 @@ _TOO_LARGE = textwrap.dedent(
 )
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_file_too_large_names_the_target_and_keeps_the_old_checkpoint(tmp_path: Path, subprocess_env) -> None:
     path = tmp_path / "ckpt.pt"
@@ -116,6 +117,7 @@ def tiny_tmpfs(tmp_path: Path):
         subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=30)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_disk_full_names_the_target_and_keeps_the_old_checkpoint(tiny_tmpfs: Path) -> None:
     path = tiny_tmpfs / "ckpt.pt"

@@ -23,6 +23,8 @@ from support.dcp_jobs import JOB, finish_job, job_model, run_job, start_job
 from support.environment import clean_env, free_port
 from support.loading import load_script, script_path
 
+pytestmark = pytest.mark.procs
+
 
 def assert_same_state(actual: dict, expected: dict) -> None:
     assert actual["model"].keys() == expected["model"].keys()

@@ -201,6 +201,7 @@ print("loop goes on")
 """
 
 
+@pytest.mark.procs
 def test_a_failed_background_save_is_reported_at_exit(tmp_path, subprocess_env):
     import subprocess
     import sys

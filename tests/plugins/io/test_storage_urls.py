@@ -604,6 +604,7 @@ def test_run_refuses_a_url_script(empty_cwd: Path, capsys: pytest.CaptureFixture
     assert "is a URL" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 def test_the_first_staging_folder_of_a_process_removes_those_of_dead_processes(staging: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank killed mid-save leaves its staging folder (its part of the model) in TMPDIR; a later process removes it."""
     import socket

@@ -15,6 +15,8 @@ from support.environment import job_environment
 from support.loading import script_path
 from support.processes import fabric_run, run
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 if not sys.platform.startswith("linux"):
     pytest.skip("the supervisor uses pidfds", allow_module_level=True)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 SCRIPT = textwrap.dedent(
     """
     import json, os, sys

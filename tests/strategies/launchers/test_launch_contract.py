@@ -18,6 +18,8 @@ from fabric.strategies import DDPStrategy
 from support.environment import free_port, isolate, job_environment
 from support.loading import script_path
 
+pytestmark = pytest.mark.cold
+
 SCRIPT = script_path("launchers", "no_launch.py")
 TIMEOUT = 120
 
@@ -74,6 +76,7 @@ def _run(command: list[str], env: dict[str, str]) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(TIMEOUT)
 def test_no_launch_under_torchrun(tmp_path):
     env = job_environment()
@@ -86,6 +89,7 @@ def test_no_launch_under_torchrun(tmp_path):
     _check(_reports(tmp_path, 2), devices=2, num_nodes=1, environment="TorchElasticEnvironment")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(TIMEOUT)
 def test_no_launch_under_fabric_run_and_launch_stays_allowed(tmp_path):
     env = job_environment()
@@ -105,6 +109,7 @@ def _mpirun() -> Path:
     return mpirun
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(TIMEOUT)
 def test_no_launch_under_mpirun_and_launch_stays_allowed(tmp_path):
     env = job_environment()
@@ -133,6 +138,7 @@ def _start_by_hand(tmp_path: Path, per_rank_env: list[dict[str, str]], devices: 
         assert p.returncode == 0, out[-2000:] + err[-4000:]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(TIMEOUT)
 def test_no_launch_under_slurm_variables(tmp_path):
     port = str(free_port())
@@ -148,6 +154,7 @@ def test_no_launch_under_slurm_variables(tmp_path):
     _check(_reports(tmp_path, 2), devices=2, num_nodes=1, environment="SLURMEnvironment")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(TIMEOUT)
 def test_no_launch_under_kubeflow_variables(tmp_path):
     port = str(free_port())

@@ -36,6 +36,8 @@ from support.loading import script_path
 from support.processes import alive
 from support.scripts.launchers.standin import StandInEnvironment, StandInStrategy
 
+pytestmark = pytest.mark.cold
+
 # The promise under test: after any failure the whole job is gone within this many seconds.
 FAIL_FAST_S = 5.0
 
@@ -156,6 +158,7 @@ def clean_environ():
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_starts_ranks_with_shared_env_and_waits_for_them(run_job):
     job = run_job("popen_job", "--nprocs", "3", "--linger", "1.0")
@@ -188,6 +191,7 @@ def test_popen_starts_ranks_with_shared_env_and_waits_for_them(run_job):
     _wait_all_dead(job.all_pids(), timeout=2)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_forks_of_rank0_do_not_act_for_the_job(run_job):
     job = run_job("popen_job", "--nprocs", "2", "--fork-noise", "--linger", "0.5")
@@ -197,6 +201,7 @@ def test_popen_forks_of_rank0_do_not_act_for_the_job(run_job):
     assert "[fabric]" not in job.stderr  # but the job was not stopped
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_reruns_python_dash_m(run_job):
     job = run_job("popen_job", "--nprocs", "2", module=True)
@@ -206,6 +211,7 @@ def test_popen_reruns_python_dash_m(run_job):
     assert ranks[1]["cwd"] == str(TESTS)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("how", "expected"),
@@ -234,6 +240,7 @@ def test_popen_child_failure_ends_the_job(run_job, how, expected):
         assert "[rank 1] ValueError: boom from rank 1" in stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_blames_the_dead_rank_not_its_echoes(run_job):
     """Peers of a killed rank fail right after it; the report must name the killed one."""
@@ -244,6 +251,7 @@ def test_popen_blames_the_dead_rank_not_its_echoes(run_job):
     assert len(reports) == 1 and "rank 1 was killed by SIGKILL" in reports[0], job.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_child_failure_after_rank0_returned(run_job):
     """Rank 0 is already waiting at exit when rank 1 fails: the job must still fail."""
@@ -254,6 +262,7 @@ def test_popen_child_failure_after_rank0_returned(run_job):
     assert job.stderr.count("[rank 1] ValueError: boom from rank 1") == 1
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_counts_only_the_ranks_still_running_as_the_others(run_job):
     """Rank 2 has finished and rank 0 waits at exit when rank 1 raises: one other rank (rank 0) is stopped."""
@@ -265,6 +274,7 @@ def test_popen_counts_only_the_ranks_still_running_as_the_others(run_job):
     assert reports[0].endswith("; stopping the other 1 rank(s) on this node"), job.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["exception", "sysexit"])
 def test_popen_rank0_failure_kills_children(run_job, how):
@@ -278,6 +288,7 @@ def test_popen_rank0_failure_kills_children(run_job, how):
         assert "[rank 0] ValueError: boom from rank 0" in job.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_kill_called_by_the_strategy(run_job):
     job = run_job(
@@ -290,6 +301,7 @@ def test_popen_kill_called_by_the_strategy(run_job):
     assert "[fabric]" not in job.stderr  # the deliberate kill is no second failure report
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_rank0_sigkilled_children_stop_themselves(run_job):
     job = run_job("popen_job", "--nprocs", "3", "--block", "--grandchild")
@@ -304,6 +316,7 @@ def test_popen_rank0_sigkilled_children_stop_themselves(run_job):
     assert "the launching process" in job.stderr
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("signum", "codes"), [(signal.SIGINT, (130, -2)), (signal.SIGTERM, (143, -15))])
 def test_popen_signal_to_launcher_tears_down_the_job(run_job, signum, codes):
@@ -345,6 +358,7 @@ def test_popen_child_side_does_not_start_processes(clean_environ, monkeypatch):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_spawn_returns_tensors_and_nested_structures(clean_environ):
     import torch
@@ -365,6 +379,7 @@ def test_spawn_returns_tensors_and_nested_structures(clean_environ):
     assert launcher.procs == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_fork_returns_a_cpu_tensor(clean_environ):
     import torch
@@ -378,6 +393,7 @@ def test_fork_returns_a_cpu_tensor(clean_environ):
     assert launcher.launch(lambda: os.environ["RANK"]) == "0"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_spawn_failure_raises_with_rank_and_traceback(clean_environ):
     from support.scripts.launchers import mp_funcs
@@ -398,6 +414,8 @@ def test_spawn_failure_raises_with_rank_and_traceback(clean_environ):
     assert str(pickle.loads(pickle.dumps(err))) == message
 
 
+@pytest.mark.timing
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_multiprocessing_kill_from_another_thread(clean_environ):
     import threading
@@ -418,6 +436,7 @@ def _local_function() -> int:
     return 1
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_unpicklable_function_fails_before_starting_anything(clean_environ, start_method):
@@ -449,6 +468,7 @@ def test_bad_start_method():
         MultiprocessingLauncher(StandInStrategy(1), start_method="bogus")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_fork_worker_killed_by_signal(run_job):
     # --echo: the other ranks raise the moment rank 1 is gone; rank 1 must still be blamed.
@@ -462,6 +482,7 @@ def test_fork_worker_killed_by_signal(run_job):
     assert gone - job.fail_time < FAIL_FAST_S
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("start_method", "signum", "codes"),
@@ -489,6 +510,7 @@ def test_exit_descriptions_and_labels():
     assert label_lines("a\nb\n", 3) == "[rank 3] a\n[rank 3] b\n"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_import_does_not_pull_in_torch():
     """The launcher modules themselves import only the standard library at module level."""

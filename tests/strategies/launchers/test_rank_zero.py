@@ -15,6 +15,8 @@ import pytest
 from support import REPO
 from support.environment import clean_env
 
+pytestmark = [pytest.mark.procs, pytest.mark.cold]
+
 if not sys.platform.startswith("linux"):
     pytest.skip("popen supervision is tested on Linux", allow_module_level=True)
 

@@ -20,6 +20,8 @@ from fabric.supervision.signals import SHUTDOWN_TIMEOUT_S, SignalForwarding, Sig
 from support.loading import script_path
 from support.processes import fabric_run, finish, read_ranks, start, wait_dead, wait_for_files
 
+pytestmark = pytest.mark.cold
+
 RANK = script_path("resilience", "signalled_rank.py")
 RANKS_ENV = script_path("multinode", "ranks_env.py")
 
@@ -44,6 +46,7 @@ def _all_pids(ranks: dict[int, dict]) -> list[int]:
     return [pid for record in ranks.values() for pid in (record["pid"], record["child"])]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_sigusr1_reaches_every_rank_but_not_its_subprocesses_and_the_job_goes_on(tmp_path: Path) -> None:
     proc, ranks = _start_job(tmp_path, "--after-usr1-s", "1.5")
@@ -60,6 +63,7 @@ def test_sigusr1_reaches_every_rank_but_not_its_subprocesses_and_the_job_goes_on
     wait_dead(_all_pids(ranks), timeout=5)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_sigterm_gives_the_ranks_time_to_save_and_the_job_ends_with_their_status(tmp_path: Path) -> None:
     """The save takes 3 s, twice the grace of a stopped job: the ranks must be left alone meanwhile."""
@@ -77,6 +81,7 @@ def test_sigterm_gives_the_ranks_time_to_save_and_the_job_ends_with_their_status
     wait_dead(_all_pids(ranks), timeout=5)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_the_status_after_sigterm_is_the_ranks_and_a_warning_is_never_restarted(tmp_path: Path) -> None:
     proc, ranks = _start_job(tmp_path, "--exit-code", "3", options=("--max-restarts", "2"))
@@ -90,6 +95,8 @@ def test_the_status_after_sigterm_is_the_ranks_and_a_warning_is_never_restarted(
     wait_dead(_all_pids(ranks), timeout=5)
 
 
+@pytest.mark.timing
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_ranks_that_ignore_sigterm_are_stopped_after_the_shutdown_timeout(tmp_path: Path) -> None:
     proc, ranks = _start_job(tmp_path, "--on-term", "ignore", options=("--shutdown-timeout", "2"))
@@ -105,6 +112,8 @@ def test_ranks_that_ignore_sigterm_are_stopped_after_the_shutdown_timeout(tmp_pa
     wait_dead(_all_pids(ranks), timeout=5)
 
 
+@pytest.mark.timing
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_sigterm_or_ctrl_c_during_the_wait_stops_the_job_at_once(tmp_path: Path, second: int) -> None:
@@ -127,6 +136,7 @@ def test_a_second_sigterm_or_ctrl_c_during_the_wait_stops_the_job_at_once(tmp_pa
     wait_dead(_all_pids(ranks), timeout=5)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_ranks_that_do_not_listen_die_of_sigterm_as_under_srun(tmp_path: Path) -> None:
     """A script that never reads ``fabric.preempted`` keeps SIGTERM's default action: the job ends at once."""

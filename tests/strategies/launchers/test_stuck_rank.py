@@ -113,6 +113,7 @@ def jobs(tmp_path_factory):
             job.proc.wait()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_stuck_rank_is_named_and_the_job_ends(jobs, name):
@@ -148,6 +149,8 @@ def test_stuck_rank_is_named_and_the_job_ends(jobs, name):
 import torch  # noqa: E402
 
 from fabric.supervision import diagnosis  # noqa: E402
+
+pytestmark = [pytest.mark.timing, pytest.mark.cold]
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 GLOO_TIMEOUT = f'''Traceback (most recent call last):
@@ -190,6 +193,7 @@ def test_a_rank_is_asked_for_its_stack_and_placed(tmp_path):
             diagnosis._dump_file = None
 
 
+@pytest.mark.procs
 def test_a_rank_that_never_registered_is_not_signalled(tmp_path):
     # the default action of the signal would kill it: without its header line nobody sends it
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

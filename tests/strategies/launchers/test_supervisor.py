@@ -20,6 +20,8 @@ from fabric.supervision.signals import SignalPipe
 from fabric.supervision.supervisor import JobResult, RankFailure, RankState, Supervisor, rank_state
 from support import REPO
 
+pytestmark = pytest.mark.cold
+
 if not sys.platform.startswith("linux"):
     pytest.skip("the supervisor tests use pidfds and /proc", allow_module_level=True)
 
@@ -69,6 +71,8 @@ def _supervisor(plan: dict[int, tuple[str, float]], texts: dict[int, str] | None
     return Supervisor(start_rank, sorted(plan), **kwargs)
 
 
+@pytest.mark.timing
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_clean_job_and_a_failed_one_are_results_and_the_job_can_run_again() -> None:
     plan = {0: ("ok", 0.0), 1: ("ok", 0.3)}
@@ -91,6 +95,7 @@ def test_a_clean_job_and_a_failed_one_are_results_and_the_job_can_run_again() ->
     assert supervisor.job_dir is None
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_rank_killed_outright_is_blamed_before_peers_that_raise_after_it() -> None:
     # rank 0 "raises" 0.1 s after rank 1 died: an echo of the death, like "connection closed by peer"
@@ -99,6 +104,7 @@ def test_a_rank_killed_outright_is_blamed_before_peers_that_raise_after_it() -> 
     assert result.failure.exitcode == -signal.SIGKILL and result.exit_status == 128 + signal.SIGKILL
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_rank_that_reported_its_exit_status_is_the_cause_before_peers_that_raise_while_it_shuts_down() -> None:
     # rank 1 called sys.exit(3) and is still shutting down when rank 0 raises (its echo): rank 1, status 3,
@@ -109,6 +115,7 @@ def test_a_rank_that_reported_its_exit_status_is_the_cause_before_peers_that_rai
     assert "rank 1 exited with code 3, pid" in result.failure.describe()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_rank_that_ended_with_0_before_the_first_exception_is_the_cause_with_status_1() -> None:
     result = _supervisor({0: ("raise", 0.8), 1: ("exit0_reported", 0.3), 2: ("sleep", 0)}).run()
@@ -117,6 +124,7 @@ def test_a_rank_that_ended_with_0_before_the_first_exception_is_the_cause_with_s
     assert "rank 1 exited with code 0 while the other ranks still ran" in result.failure.describe()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("text", "cause"),
@@ -131,6 +139,7 @@ def test_a_rank_that_finished_before_an_exception_is_its_cause_only_if_the_excep
     assert result.exit_status == 1
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_among_ranks_that_raised_the_first_is_the_cause() -> None:
     result = _supervisor({0: ("raise", 0.8), 1: ("raise", 0.5), 2: ("sleep", 0)}).run()
@@ -138,6 +147,7 @@ def test_among_ranks_that_raised_the_first_is_the_cause() -> None:
     assert result.exit_status == 1
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_rank_stopped_while_it_unwinds_its_exception_gives_status_1_and_is_not_counted_among_the_others() -> None:
     reports: list[str] = []
@@ -150,6 +160,7 @@ def test_a_rank_stopped_while_it_unwinds_its_exception_gives_status_1_and_is_not
     assert len(reports) == 1 and reports[0].endswith("; stopping the other 1 rank(s) on this node"), reports
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_signal_ends_the_wait_and_reaches_the_ranks() -> None:
     previous = signal.signal(signal.SIGUSR2, lambda *_: None)
@@ -168,6 +179,8 @@ def test_a_signal_ends_the_wait_and_reaches_the_ranks() -> None:
     supervisor.close()
 
 
+@pytest.mark.timing
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_an_outside_condition_ends_the_wait_with_its_own_result() -> None:
     """``should_stop`` (e.g. another node restarting) ends the attempt; its result comes back as it is."""
@@ -193,6 +206,7 @@ def test_an_outside_condition_ends_the_wait_with_its_own_result() -> None:
     failing.close()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_descriptors_above_1023_are_watched() -> None:
     """``select`` cannot watch a descriptor above 1023; a big job (or a busy process) has them."""
@@ -242,6 +256,7 @@ def test_rank_states_follow_the_exit_code_unless_the_rank_raised() -> None:
     assert [state for state in RankState if state.failed] == [RankState.RAISED, RankState.DIED]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_the_supervisor_reports_each_ranks_state() -> None:
     supervisor = _supervisor({0: ("ok", 0.0), 1: ("exit3", 0.0), 2: ("raise", 0.0), 3: ("sleep", 0)})
