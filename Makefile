@@ -4,19 +4,28 @@
 PY ?= python3
 VENV := .venv
 PYTHON := $(VENV)/bin/python
-STAMP := $(VENV)/.fabric-installed
+PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# what each command needs: the demo the package and the example's extras; the tests every extra they exercise
+DEMO_STAMP := $(VENV)/.fabric-demo
+TEST_STAMP := $(VENV)/.fabric-test
 
-.PHONY: venv demo test check horovod bench gpu-check clean
+.PHONY: venv demo test test-fast coverage check horovod bench gpu-check clean
 
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(PYTHON) || $(PY) -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,test-storage,examples,tensorboard,mpi,bitsandbytes]"
-	touch $(STAMP)
+$(PYTHON):
+	$(PY) -m venv $(VENV)
 
-venv: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints.txt | $(PYTHON)
+	$(PIP) -e ".[examples]"
+	touch $(DEMO_STAMP)
+
+$(TEST_STAMP): pyproject.toml constraints.txt | $(PYTHON)
+	$(PIP) -e ".[test,test-storage,examples,tensorboard,mpi,bitsandbytes]"
+	touch $(TEST_STAMP) $(DEMO_STAMP)
+
+venv: $(TEST_STAMP)
 
 ## The main job: the example training run as a 2-process DDP job on the CPU.
-demo: venv
+demo: $(DEMO_STAMP)
 	$(PYTHON) examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp
 
 ## Lint (ruff: the package, tests, benchmarks and examples) and type checks (mypy: the package); configured in pyproject.toml.
@@ -24,11 +33,25 @@ check: venv
 	$(VENV)/bin/ruff check fabric tests benchmarks examples scripts
 	$(VENV)/bin/mypy
 
-## The checks, then the test suite: serially, or in TEST_WORKERS pytest-xdist processes (same result; see
-## the README); Horovod tests run when Horovod is installed: see `make horovod`.
-TEST_WORKERS ?= 0
+## The checks, then the test suite: every test but the `timing` ones in TEST_WORKERS pytest-xdist processes (one per
+## core), then the `timing` ones alone, one at a time. Horovod tests run when Horovod is installed (`make horovod`).
+TEST_WORKERS ?= auto
 test: check
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS)
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not timing"
+	$(PYTHON) -m pytest -q -m timing
+
+## The loop to run after every edit: every test that starts no process (about a minute).
+test-fast: venv
+	$(PYTHON) -m pytest -q -m "not procs"
+
+## Line coverage of fabric/, the processes the tests start included (coverage.py's subprocess patch); report in
+## htmlcov/ and on the screen.
+coverage: venv
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	$(VENV)/bin/coverage run -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider
+	$(VENV)/bin/coverage combine -q
+	$(VENV)/bin/coverage report --format=total | sed 's/^/line coverage of fabric\/ (%): /'
+	$(VENV)/bin/coverage html -q
 
 ## Build Horovod 0.28.1 for torch >= 2.1 (about 5 minutes once, cached after) into the venv.
 horovod: venv
@@ -48,4 +71,4 @@ gpu-check:
 	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS) "$(OUT)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis .coverage-data htmlcov
