@@ -35,10 +35,16 @@ PRELOAD = (
     "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.multiprocessing",
     "torch.utils.data", "lightning_utilities",
 )
-# Read while torch and the interpreter start, or by the test guards installed then: they must match.
-SENSITIVE_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "GOMP", "CUDA", "LD_", "COVERAGE_")
-SENSITIVE_NAMES = ("TEST_COLLECTIVE_DEVICE", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHONDEVMODE", "PYTHONMALLOC", "PYTHONSAFEPATH",
-                   "PYTHONNOUSERSITE", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONTRACEMALLOC", "PYTHONASYNCIODEBUG")
+# Read while the warm parent's modules are imported (torch's logging and C++ start-up, libgomp, the dynamic loader)
+# or by the test guards installed then: these must match. Variables that only modules the parent leaves unimported
+# read (inductor, dynamo, CUDA's start-up, torchelastic) may differ: a worker imports those itself.
+SENSITIVE_PREFIXES = (
+    "TORCH_LOGS", "TORCH_CPP", "TORCH_SHOW", "TORCH_DISTRIBUTED_DEBUG", "PYTORCH", "OMP_", "GOMP", "OPENBLAS", "LD_",
+    "COVERAGE_",
+)
+SENSITIVE_NAMES = ("TEST_COLLECTIVE_DEVICE", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONOPTIMIZE", "PYTHONDEVMODE", "PYTHONMALLOC",
+                   "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONTRACEMALLOC",
+                   "PYTHONASYNCIODEBUG")
 # OMP_NUM_THREADS is applied in the worker (torch.set_num_threads), so it may differ.
 APPLIED = ("OMP_NUM_THREADS",)
 # multiprocessing's children start as `python -c <one of these> --multiprocessing-fork`; other -c programs stay cold
@@ -94,6 +100,9 @@ def hand_over() -> None:
         return
     env = dict(os.environ)
     if parent["executable"] != sys.executable or sensitive(env) != parent["sensitive"]:
+        differ = sorted(set(sensitive(env).items()) ^ set(parent["sensitive"].items()))
+        with open(path + ".cold", "a") as log:  # why a program ran cold: the variables that differ
+            log.write(f"{' '.join(sys.orig_argv[1:])[:160]} | {differ}\n")
         return
     fds = sorted(int(name) for name in os.listdir("/proc/self/fd"))
     fds = [fd for fd in fds if _is_open(fd)]
