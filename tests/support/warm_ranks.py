@@ -359,61 +359,60 @@ def _fresh_stdio(unbuffered: bool) -> None:
 def _run(kind: str, target: str, args: list[str], env: dict[str, str]) -> int:
     """Run the program as ``python`` would; the exit status after threads and exit handlers, as at shutdown."""
     import atexit
-    import runpy
     import threading
 
-    base = list(_BASE_PATH)
-    extra = _pythonpath(env.get("PYTHONPATH", ""))
     main = sys.modules["__main__"]
-    for name in list(main.__dict__):
-        if name not in ("__builtins__",):
-            del main.__dict__[name]
-    main.__dict__.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None, __loader__=None)
-    status = 0
-    try:
-        try:
-            if kind == "file":
-                script = os.path.abspath(target) if not os.path.isabs(target) else target
-                sys.path[:] = [os.path.dirname(os.path.realpath(script)), *extra, *base]
-                sys.argv = [target, *args]
-                import importlib.machinery
-
-                main.__file__ = script
-                main.__cached__ = None
-                main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
-                with open(script, "rb") as file:
-                    code = compile(file.read(), script, "exec")
-                exec(code, main.__dict__)
-            elif kind == "module":
-                sys.path[:] = [os.getcwd(), *extra, *base]
-                sys.argv = [target, *args]
-                runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
-            else:
-                sys.path[:] = ["", *extra, *base]
-                sys.argv = ["-c", *args]
-                exec(compile(target, "<string>", "exec"), main.__dict__)
-        except SystemExit as exit_:
-            status = _exit_status(exit_.code)
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            status = 1
-        threading._shutdown()  # type: ignore[attr-defined]
-    except SystemExit as exit_:
-        status = _exit_status(exit_.code)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        status = 1
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:
-        pass
+    builtins = main.__dict__["__builtins__"]
+    main.__dict__.clear()
+    main.__dict__.update(__name__="__main__", __doc__=None, __package__=None, __spec__=None, __loader__=None,
+                         __builtins__=builtins)
+    program = _program_call(kind, target, args, [*_pythonpath(env.get("PYTHONPATH", "")), *_BASE_PATH], main)
+    ran = _status_of(program)
+    ended = _status_of(threading._shutdown)  # type: ignore[attr-defined]  # a SystemExit while joining threads wins
+    _status_of(atexit._run_exitfuncs)
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
                 stream.flush()
         except (OSError, ValueError):
             pass
-    return status
+    return ended if ended is not None else (ran or 0)
+
+
+def _program_call(kind: str, target: str, args: list[str], path: list[str], main: Any) -> Any:
+    """Set ``sys.path`` and ``sys.argv`` as ``python`` does for a file, ``-m`` or ``-c``; the call that runs it."""
+    if kind == "file":
+        script = os.path.abspath(target)
+        sys.path[:] = [os.path.dirname(os.path.realpath(script)), *path]
+        sys.argv = [target, *args]
+        import importlib.machinery
+
+        main.__file__, main.__cached__ = script, None
+        main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+        with open(script, "rb") as file:
+            code = compile(file.read(), script, "exec")
+        return lambda: exec(code, main.__dict__)
+    if kind == "module":
+        import runpy
+
+        sys.path[:] = [os.getcwd(), *path]
+        sys.argv = [target, *args]
+        return lambda: runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
+    sys.path[:] = ["", *path]
+    sys.argv = ["-c", *args]
+    return lambda: exec(compile(target, "<string>", "exec"), main.__dict__)
+
+
+def _status_of(call: Any) -> int | None:
+    """None if ``call`` returned; else the status its ``SystemExit`` or uncaught exception ends the process with."""
+    try:
+        call()
+    except SystemExit as exit_:
+        return _exit_status(exit_.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return None
 
 
 def _exit_status(code: object) -> int:
