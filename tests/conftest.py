@@ -71,6 +71,30 @@ def saved_on_two(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def warm_ranks_env() -> dict[str, str]:
+    """For a reference run inside a ``cold`` module, whose subject is what the other runs do: the variable that
+    makes the processes it starts warm (nothing when ``TEST_WARM_RANKS=0`` turns warm ranks off)."""
+    from support.warm_ranks import VARIABLE
+
+    return {} if os.environ.get(VARIABLE) == "0" else {VARIABLE: _WARM.socket()}
+
+
+@pytest.fixture(scope="session")
+def keep_going_uninterrupted(tmp_path_factory, warm_ranks_env) -> Path:
+    """``support/scripts/resilience/keep_going_job.py`` never interrupted (2 ranks under ``launch()``): what the
+    restart and pre-emption tests' resumed jobs must end equal to. Shared: tests only read it."""
+    from support import PYTHON
+    from support.loading import script_path
+    from support.processes import finish, start
+
+    folder = tmp_path_factory.mktemp("keep_going_uninterrupted")
+    job = [PYTHON, str(script_path("resilience", "keep_going_job.py")), str(folder)]
+    [(code, out, err)] = finish([start(job, env=clean_env(OMP_NUM_THREADS="1", **warm_ranks_env))], 150)
+    assert code == 0, f"{out}\n{err[-4000:]}"
+    return folder
+
+
 class _WarmParent:
     """This pytest process's warm parent (support/warm_ranks.py), started when the first test wants warm ranks."""
 

@@ -11,6 +11,9 @@ With several nodes (two ``fabric run`` processes of 2 ranks each on this machine
 the nodes meet in torch's elastic rendezvous and restart together: rank 3 (node 1) dies, both nodes
 start attempt 1 and the job ends as an uninterrupted 4-rank run; when the restarts are spent, or a
 node gets a signal, every node ends, none hangs.
+
+The restarted jobs' ranks are fresh interpreters (which rank the launcher sees end first is the subject);
+the uninterrupted reference runs are warm (``warm_ranks_env``).
 """
 
 from __future__ import annotations
@@ -42,12 +45,9 @@ def _final(folder, rank: int) -> dict:
     return torch.load(folder / f"final-rank{rank}.pt", weights_only=True)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    [(code, out, err)] = finish([start([PYTHON, str(JOB), str(folder)], env=clean_env(OMP_NUM_THREADS="1"))], 150)
-    assert code == 0, f"{out}\n{err[-4000:]}"
-    return folder
+@pytest.fixture
+def uninterrupted(keep_going_uninterrupted):
+    return keep_going_uninterrupted
 
 
 def assert_resumed_exactly(folder, reference, ranks: int = 2, died: int = 1) -> None:
@@ -81,10 +81,10 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_resumes_exactly(tmp_path, u
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_fsdp(tmp_path_factory):
+def uninterrupted_fsdp(tmp_path_factory, warm_ranks_env):
     folder = tmp_path_factory.mktemp("uninterrupted_fsdp")
     command = [PYTHON, str(JOB), str(folder), "--strategy", "fsdp"]
-    [(code, out, err)] = finish([start(command, env=clean_env(OMP_NUM_THREADS="1"))], 150)
+    [(code, out, err)] = finish([start(command, env=clean_env(OMP_NUM_THREADS="1", **warm_ranks_env))], 150)
     assert code == 0, f"{out}\n{err[-4000:]}"
     return folder
 
@@ -138,18 +138,18 @@ def test_a_rendezvous_id_without_the_nodes_rendezvous_is_refused(tmp_path) -> No
 # ---- several nodes ------------------------------------------------------------------------------------
 
 
-def _two_nodes(options: list, script_and_args: list) -> list:
+def _two_nodes(options: list, script_and_args: list, **env: str) -> list:
     """Two `fabric run` processes of 2 CPU ranks each on this machine: node ranks 0 and 1 of one job."""
     port = free_port()
     return [start(fabric_run("--accelerator", "cpu", "--devices", 2, "--num-nodes", 2, "--node-rank", node,
-                             "--main-port", port, *options, *script_and_args), env=clean_env(OMP_NUM_THREADS="1"))
+                             "--main-port", port, *options, *script_and_args), env=clean_env(OMP_NUM_THREADS="1", **env))
             for node in (0, 1)]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_on_two_nodes(tmp_path_factory):
+def uninterrupted_on_two_nodes(tmp_path_factory, warm_ranks_env):
     folder = tmp_path_factory.mktemp("uninterrupted_two_nodes")
-    for code, out, err in finish(_two_nodes([], [JOB, folder, "--fixed-buckets"]), 150):
+    for code, out, err in finish(_two_nodes([], [JOB, folder, "--fixed-buckets"], **warm_ranks_env), 150):
         assert code == 0, f"{out}\n{err[-4000:]}"
     return folder
 

@@ -52,11 +52,9 @@ def _final_params(folder: Path, rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
+def uninterrupted(keep_going_uninterrupted) -> Path:
     """The reference: the same job, never interrupted (Fabric's own launcher, 2 ranks)."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    [(code, out, err)] = finish([start([PYTHON, str(JOB), str(folder)], env=clean_env(OMP_NUM_THREADS="1"))], 150)
-    assert code == 0, f"{out}\n{err[-4000:]}"
+    folder = keep_going_uninterrupted
     for rank in range(2):
         assert _final_params(folder, rank)["trained"] == list(range(1, TOTAL_STEPS + 1))
     return folder

@@ -175,6 +175,7 @@ def test_fabric_fsdp_async_save_then_exact_resume_of_model_optimizer_and_loader(
             assert torch.equal(result["resumed"][name], value), (rank, name)
 
 
+@pytest.mark.cold  # a warm worker's heap is its warm parent's: the peak of a fresh process is what is measured
 @pytest.mark.timeout(600)
 def test_a_resumed_jobs_checked_load_needs_no_more_peak_memory_than_torchs_in_place_recipe(tmp_path):
     """A fresh optimizer's state is read straight into the placeholder torch's API makes for it (a refused
