@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fabric.accelerators", "fabric.plugins", "fabric.loggers", "fabric.callbacks"),
     ("fabric.plugins.environments",),  # a plugin family, so above the utilities; standard library and _core only
     ("fabric.utilities",),
+    ("fabric.checkpoint.errors",),  # standard library only: every layer that raises or catches a checkpoint error imports it
     ("fabric.supervision",),
     ("fabric._core",),
 ]

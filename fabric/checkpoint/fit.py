@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY, checks_state, keeps_saved_ranks
-from fabric.utilities.exceptions import CheckpointMismatchError
 
 __all__ = [
     "CheckpointMismatchError",

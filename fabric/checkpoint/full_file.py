@@ -139,6 +139,4 @@ class FullFile(WholeFile):
 
         owner = layout.owner_of(optimizer, self._state, key)
         set_optimizer_state_dict(owner, optimizer, value, options=StateDictOptions(full_state_dict=True))
-        for group, saved_group in zip(optimizer.param_groups, value["param_groups"]):
-            # torch's full-state path turns tuples (AdamW's betas) into lists: keep them as saved
-            group.update({name: item for name, item in saved_group.items() if name != "params"})
+        layout.keep_saved_group_options(optimizer, value)

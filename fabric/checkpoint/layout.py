@@ -17,8 +17,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.stateful import is_stateful as is_stateful
-from fabric.utilities.exceptions import CheckpointMismatchError
 
 MODULE = "module"
 OPTIMIZER = "optimizer"
@@ -172,6 +172,12 @@ def optimizer_named(state_dict: dict[str, Any], target: dict[str, Any], key: str
     if len(number_to_name) != len(names):
         raise CheckpointMismatchError(f"state[{key!r}]: the checkpoint's optimizer numbers its parameters inconsistently")
     return {"state": state, "param_groups": renamed}
+
+
+def keep_saved_group_options(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Put back each param group's options as saved: torch's ``set_optimizer_state_dict`` may retype them (tuple betas to lists)."""
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+        group.update({name: value for name, value in saved_group.items() if name != "params"})
 
 
 def plain_copy(value: Tensor) -> Tensor:

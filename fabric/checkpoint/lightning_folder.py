@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from fabric.checkpoint.errors import CheckpointLoadError, UnsafeCheckpointError
 from fabric.plugins.io.publish import INDEX_FILE, OBJECTS_FILE
-from fabric.plugins.io.single_file import CheckpointLoadError, UnsafeCheckpointError, _weights_only_reason, safe_load
+from fabric.plugins.io.single_file import _weights_only_reason, safe_load
 
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's file of non-tensor entries beside the shards
 

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.per_rank import PER_RANK_KEY, is_per_rank_record, state_of_rank
 from fabric.checkpoint.random_state import capture_random_state, check_random_state, restore_random_state
 from fabric.checkpoint.resize import derived_seed, epoch_order, order_record, rank_share, seed_everything_derived
 from fabric.checkpoint.stateful import is_resizable
 from fabric.utilities.data import loader_arguments
-from fabric.utilities.exceptions import CheckpointMismatchError
 from fabric.utilities.seed import global_seed_from_environment
 
 __all__ = ["LoaderOwnState", "LoaderProgress", "SkipBatches", "loader_skipping"]

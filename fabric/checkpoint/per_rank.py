@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.state import StateFilter, filtered
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY, has_per_rank_state, keeps_saved_ranks
-from fabric.utilities.exceptions import CheckpointMismatchError
 
 __all__ = ["PER_RANK_KEY", "gather_per_rank_states", "is_per_rank_record", "state_of_rank"]
 

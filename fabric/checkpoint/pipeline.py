@@ -28,13 +28,13 @@ from torch.optim import Optimizer
 
 from fabric.checkpoint.agreement import on_every_rank, on_rank_zero
 from fabric.checkpoint.async_save import save_in_background, wait_for_pending_save
+from fabric.checkpoint.errors import CheckpointLoadError
 from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
 from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned, remove_abandoned_once
-from fabric.plugins.io.single_file import CheckpointLoadError
 from fabric.plugins.io.storage import is_url, redact
 
 __all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]

@@ -31,6 +31,7 @@ from fabric.checkpoint.async_save import (
     start_background_save,
     wait_for_pending_save,
 )
+from fabric.checkpoint.errors import CheckpointLoadError
 from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
@@ -46,7 +47,7 @@ from fabric.plugins.io.safe_reader import (
     quiet_single_process,
     read_index,
 )
-from fabric.plugins.io.single_file import CheckpointLoadError, safe_load
+from fabric.plugins.io.single_file import safe_load
 from fabric.plugins.io.storage import is_url, local_or_url, redact
 
 if TYPE_CHECKING:
@@ -365,6 +366,7 @@ class ShardedFolder:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(layout.owner_of(optimizer, self._state, key), optimizer, value, options=StateDictOptions())
+        layout.keep_saved_group_options(optimizer, value)
 
 
 def _local(tensor: Tensor) -> Tensor:

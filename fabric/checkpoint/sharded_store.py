@@ -39,10 +39,10 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from fabric.checkpoint.agreement import broadcast_in_group, gather_in_group, on_rank_zero, rank_in_group
+from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
 from fabric.plugins.io import storage
 from fabric.plugins.io.publish import INDEX_FILE, OBJECTS_FILE, out_of_space
 from fabric.plugins.io.safe_reader import check_data_files_belong, data_files_written, first_failure, quiet_single_process
-from fabric.plugins.io.single_file import CheckpointLoadError
 
 __all__ = ["StoreFolder", "agree_on_generation", "agree_on_record", "save_to_store"]
 
@@ -366,7 +366,7 @@ class StoreFolder:
             listed = record.objects.get(name)
             if listed is None or listed["size"] != entry.get("bytes"):
                 said = "does not list it" if listed is None else f"says {listed['size']} bytes"
-                raise storage.CommitRecordError(
+                raise CommitRecordError(
                     f"Checkpoint {self.shown!r} mixes objects of different saves: {OBJECTS_FILE!r} records the data file"
                     f" {name!r} with {entry.get('bytes')} bytes, the commit record {said}"
                 )
@@ -386,12 +386,12 @@ class StoreFolder:
         for name, items in sorted(needed.items()):
             crcs = self._crcs.get(name)
             if crcs is None:
-                raise storage.CommitRecordError(f"Checkpoint {self.shown!r}: its index places items in {name!r}, which the commit record does not list")
+                raise CommitRecordError(f"Checkpoint {self.shown!r}: its index places items in {name!r}, which the commit record does not list")
             have = self._fetched.setdefault(name, set())
             missing = [item for item in items if (item[0], item[1]) not in have]
             unknown = [item for item in missing if (item[0], item[1]) not in crcs]
             if unknown:
-                raise storage.CommitRecordError(f"Checkpoint {self.shown!r}: {unknown[0][2]!r} is not an item the index places in {name!r}")
+                raise CommitRecordError(f"Checkpoint {self.shown!r}: {unknown[0][2]!r} is not an item the index places in {name!r}")
             if missing:
                 work.append((name, missing, crcs))
 
@@ -417,12 +417,9 @@ class StoreFolder:
     @contextmanager
     def naming(self) -> Iterator[None]:
         """Errors of the local checks name the URL instead of a staging folder (this rank's or another's)."""
-        from fabric.plugins.io.integrity import CorruptCheckpointError
-        from fabric.utilities.exceptions import CheckpointMismatchError
-
         try:
             yield
-        except (CheckpointLoadError, CorruptCheckpointError, CheckpointMismatchError, storage.CommitRecordError) as err:
+        except CheckpointLoadError as err:  # every load error derives from it (fabric.checkpoint.errors)
             if err.args and isinstance(err.args[0], str):
                 err.args = (_LOAD_STAGING.sub(self.shown, err.args[0]), *err.args[1:])
             raise

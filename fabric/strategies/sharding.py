@@ -176,12 +176,13 @@ class ShardedStrategy(ProcessGroupStrategy):
         """A plain ``optimizer.state_dict()`` (numbered, full tensors) into the optimizer of sharded parameters."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-        from fabric.checkpoint.layout import optimizer_named
+        from fabric.checkpoint.layout import keep_saved_group_options, optimizer_named
 
         check_optimizer_state_fits(optimizer, state_dict)
         module = self._module_of(optimizer)
         named = optimizer_named(state_dict, get_optimizer_state_dict(module, optimizer), "optimizer")
         set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+        keep_saved_group_options(optimizer, named)
 
     def _module_of(self, optimizer: Optimizer) -> Module:
         params = {p for group in optimizer.param_groups for p in group["params"]}

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
+from fabric.checkpoint.errors import CheckpointMismatchError  # its home; importable from here as before
+
 
 class MisconfigurationException(Exception):
     """A setting (or a combination of settings) that cannot work; raised where the setting is read."""
-
-
-class CheckpointMismatchError(KeyError, ValueError, TypeError, RuntimeError):
-    """A checkpoint entry does not fit the object it is loaded into (keys, shapes, kinds, optimizer groups,
-    the number of processes of a per-rank state). Raised before anything is changed.
-
-    One class for every misfit, in every format. Lightning Fabric and ``Module.load_state_dict`` raise a
-    RuntimeError, earlier versions of this package a KeyError, ValueError or TypeError depending on the
-    check; deriving from all four keeps ``except`` clauses written for any of them working.
-    """
-
-    def __str__(self) -> str:
-        # KeyError's str() quotes its argument; this message is a sentence, shown as written
-        return str(self.args[0]) if self.args else ""
 
 
 class InvalidArgumentError(TypeError, ValueError):

@@ -11,7 +11,7 @@ buffer is read into again only after its copies completed. Storages saved on the
 ``step``) are read as before, into CPU storage.
 
 The loaded values are new storage (the staging): nothing the user holds changes while the file is read,
-and a damaged record raises :class:`~fabric.plugins.io.integrity.CorruptCheckpointError` naming it before
+and a damaged record raises :class:`~fabric.checkpoint.errors.CorruptCheckpointError` naming it before
 ``torch.load`` returns; the copies already made then went into staging that is dropped. The load walk
 (``fabric.checkpoint.restore``) checks the fit and the ranks agree before any value goes in, as for the
 CPU path.
@@ -44,7 +44,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError, crc32, load_checked, mismatch_message
+from fabric.checkpoint.errors import CorruptCheckpointError
+from fabric.plugins.io.integrity import CheckedArchive, crc32, load_checked, mismatch_message
 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "CudaStaging", "HostStaging", "RingReader", "Staging", "load_staged", "staging_for"]
 

@@ -31,6 +31,8 @@ try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
     from zlib import crc32
 
+from fabric.checkpoint.errors import CorruptCheckpointError
+
 __all__ = [
     "SMALL_ARCHIVE",
     "CheckedArchive",
@@ -61,10 +63,6 @@ SMALL_ARCHIVE = 64 * 2**10  # an archive up to this size is read whole, checked,
 _NOTHING = memoryview(b"")
 _CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
 _DIGESTED = struct.Struct("<QL")  # a record's size and CRC-32, as records_digest folds them in
-
-
-class CorruptCheckpointError(RuntimeError):
-    """Bytes of a checkpoint differ from what was written (a CRC mismatch, a truncated or unreadable record)."""
 
 
 class _Record:

@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
-from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, CorruptCheckpointError, crc32, load_checked, records_digest, warn_once
+from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError
+from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, crc32, load_checked, records_digest, warn_once
 from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
 from fabric.plugins.io.publish import OBJECTS_FILE
-from fabric.plugins.io.single_file import CheckpointLoadError
 from fabric.plugins.io.tensor_record import read_into
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)

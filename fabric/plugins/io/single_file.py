@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from fabric.plugins.io.integrity import SMALL_ARCHIVE, CorruptCheckpointError, load_checked, say_once_nothing_to_check
+from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError, UnsafeCheckpointError
+from fabric.plugins.io.integrity import SMALL_ARCHIVE, load_checked, say_once_nothing_to_check
 from fabric.plugins.io.publish import atomic_save, check_loadable
 from fabric.plugins.io.storage import is_url, local_or_url
 
@@ -39,18 +40,6 @@ class CheckpointIO(ABC):
 
     def teardown(self) -> None:
         pass
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint file exists but cannot be read as one (empty, truncated, corrupt or unsafe)."""
-
-
-class UnsafeCheckpointError(CheckpointLoadError, pickle.UnpicklingError):
-    """A checkpoint holds objects that only pickled code can restore, refused under ``weights_only``.
-
-    Also a ``pickle.UnpicklingError``: what ``torch.load(weights_only=True)``, and so Lightning Fabric's
-    ``load``, raises there, so code that catches it to retry with ``weights_only=False`` works unchanged.
-    """
 
 
 class TorchCheckpointIO(CheckpointIO):

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from fabric._core.processes import process_alive
 from fabric._core.urls import MissingStorageLibraryError, filesystem, is_url, local_or_url, redact, scheme_of
+from fabric.checkpoint.errors import CommitRecordError
 from fabric.plugins.io.integrity import crc32
 
 T = TypeVar("T")
@@ -58,10 +59,6 @@ ITEMS_KEY = "items_crc32"  # in a sharded record's entry of a data file: each it
 _CHUNK = 8 << 20
 _RANGE_PIECE = 32 << 20  # a fetched byte range is read in GETs of at most this many bytes
 _MAX_GAP = 1 << 20  # items of one object closer than this are fetched in one GET (the gap is read and dropped)
-
-
-class CommitRecordError(RuntimeError):
-    """A checkpoint on a store whose commit record is missing, unreadable, or does not match its objects."""
 
 
 # ---- the commit record ----------------------------------------------------------------------
