@@ -44,14 +44,18 @@ test: check
 test-fast: venv
 	$(PYTHON) -m pytest -q -m "not procs"
 
-## Line coverage of fabric/, the processes the tests start included (coverage.py's subprocess patch); report in
-## htmlcov/ and on the screen.
+## Line coverage of fabric/, the processes the tests start included (coverage.py's subprocess patch): the tests as
+## `make test` runs them (the `timing` ones alone, after); the report (htmlcov/ and the screen) even if a test failed,
+## then the tests' status.
 coverage: venv
 	rm -rf .coverage-data && mkdir -p .coverage-data
-	$(VENV)/bin/coverage run -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider
-	$(VENV)/bin/coverage combine -q
-	$(VENV)/bin/coverage report --format=total | sed 's/^/line coverage of fabric\/ (%): /'
-	$(VENV)/bin/coverage html -q
+	status=0; \
+	$(VENV)/bin/coverage run -m pytest -q -n $(TEST_WORKERS) -m "not timing" -p no:cacheprovider || status=1; \
+	$(VENV)/bin/coverage run -m pytest -q -m timing -p no:cacheprovider || status=1; \
+	$(VENV)/bin/coverage combine -q; \
+	$(VENV)/bin/coverage report --format=total | sed 's/^/line coverage of fabric\/ (%): /'; \
+	$(VENV)/bin/coverage html -q; \
+	exit $$status
 
 ## Build Horovod 0.28.1 for torch >= 2.1 (about 5 minutes once, cached after) into the venv.
 horovod: venv
