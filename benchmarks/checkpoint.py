@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from fabric import Fabric
-from fabric.plugins.io import publish as fabric_io
+from fabric.checkpoint.storage import disk as fabric_io
 
 GOAL = 1.10
 

@@ -34,7 +34,7 @@ optimizer has no state yet (both sides allocate it: torch's state-dict API creat
 
     python benchmarks/checkpoint_load.py [--size-mb 200] [--reps 9] [--dir DIR] [--cold] [--malloc reuse] [--threads 1] [--first-load]
 
-``--staged-on-cpu`` adds ``fabric.load`` through the staged path (``fabric/plugins/io/device_load.py``) with
+``--staged-on-cpu`` adds ``fabric.load`` through the staged path (``fabric/checkpoint/formats/device_load.py``) with
 the CPU as its device, to compare it with the direct read the CPU keeps.
 
 ``--device cuda``: a model of ``--size-mb`` MiB of parameters on the GPU (default 368: 96M parameters, with
@@ -115,7 +115,7 @@ def write_checkpoints(root: Path, model: nn.Module, optimizer: torch.optim.Optim
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from fabric import Fabric
-    from fabric.checkpoint.sharded_folder import save_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
 
     Fabric(accelerator="cpu", devices=1).save(root / "model.pt", {"model": model})
     save_sharded(root / "sharded", {"model": model, "optimizer": optimizer})
@@ -127,7 +127,8 @@ def write_checkpoints(root: Path, model: nn.Module, optimizer: torch.optim.Optim
 def unbound(folder: Path, copy: Path) -> None:
     """A copy of ``folder`` whose objects file lacks the record binding its data files to the save (as a folder
     saved before it existed): loading it skips that check and nothing else, so it times the load without it."""
-    from fabric.plugins.io.publish import OBJECTS_FILE, atomic_save
+    from fabric.checkpoint.formats.shard_reader import OBJECTS_FILE
+    from fabric.plugins.io import atomic_save
 
     shutil.copytree(folder, copy)
     objects = torch.load(copy / OBJECTS_FILE, weights_only=True)
@@ -146,7 +147,7 @@ def variants_for(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     )
 
     from fabric import Fabric
-    from fabric.checkpoint.sharded_folder import load_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded
 
     fabric = Fabric(accelerator="cpu", devices=1)
     file, folder = root / "model.pt", root / "sharded"
@@ -184,7 +185,7 @@ def variants_for(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
 def staged_on_cpu(load: Callable[[], None]) -> None:
     """``load()`` with a load into CPU objects taking the staged path, the CPU as its device."""
     from fabric.checkpoint import pipeline
-    from fabric.plugins.io import device_load
+    from fabric.checkpoint.formats import device_load
 
     choose, staging_for = pipeline.staging_device, device_load.staging_for
     pipeline.staging_device = lambda objects: torch.device("cpu")  # type: ignore[assignment]
@@ -197,7 +198,7 @@ def staged_on_cpu(load: Callable[[], None]) -> None:
 
 def cpu_path(load: Callable[[], None]) -> None:
     """``load()`` with a load into GPU objects taking the CPU path (as before the staged path existed)."""
-    from fabric.plugins.io import device_load
+    from fabric.checkpoint.formats import device_load
 
     staging_for = device_load.staging_for
     device_load.staging_for = lambda device: None  # type: ignore[assignment]
@@ -323,7 +324,7 @@ def main_cuda(args: argparse.Namespace) -> int:
 
 def bytes_through_the_ring(load: Callable[[], None]) -> int:
     """How many bytes ``load()`` copied through the staged path's ring (0: it read to the CPU instead)."""
-    from fabric.plugins.io import device_load
+    from fabric.checkpoint.formats import device_load
 
     copied = [0]
     staging_for = device_load.staging_for

@@ -43,7 +43,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fabric.checkpoint.sharded_folder import save_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

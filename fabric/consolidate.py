@@ -13,6 +13,7 @@ is removed afterwards), and a file written there is committed the same way.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,26 +23,21 @@ PROG = "fabric-torch consolidate"
 
 def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool | None = None) -> dict:
     """Read the sharded checkpoint ``checkpoint_dir`` whole and write it to the file ``out``; return it."""
-    from fabric.checkpoint.sharded_folder import load_sharded
-    from fabric.plugins.io import storage
-    from fabric.plugins.io.publish import atomic_save, is_sharded_checkpoint
+    from fabric.checkpoint.formats.file import save_file
+    from fabric.checkpoint.formats.sharded import load_sharded
+    from fabric.checkpoint.storage import locate
 
-    # URLs (s3://...) name a store, checked here (unknown scheme, missing library) before anything is read
-    checkpoint_dir, out = storage.local_or_url(checkpoint_dir), storage.local_or_url(out)
-    shown = storage.redact(str(checkpoint_dir)) if storage.is_url(checkpoint_dir) else str(checkpoint_dir)
-    if not is_sharded_checkpoint(checkpoint_dir):
-        found = storage.exists(str(checkpoint_dir)) if storage.is_url(checkpoint_dir) else Path(checkpoint_dir).exists()
-        what = "does not exist" if not found else "is not a sharded checkpoint folder"
-        if found and storage.is_url(checkpoint_dir):
-            what = "is not a sharded checkpoint (its commit record is of another kind, or missing)"
-        raise ValueError(f"{shown!r} {what}; {PROG} takes a folder written by a sharded save")
-    if storage.is_url(out) or storage.is_url(checkpoint_dir):
-        if str(out).rstrip("/") == str(checkpoint_dir).rstrip("/"):
-            raise ValueError(f"OUT.pt {storage.redact(str(out))!r} must be a file path, not the checkpoint folder")
-    elif Path(out).resolve() == Path(checkpoint_dir).resolve() or Path(out).is_dir():
-        raise ValueError(f"OUT.pt {str(out)!r} must be a file path, not the checkpoint folder or another folder")
-    checkpoint = load_sharded(checkpoint_dir, weights_only=weights_only)
-    atomic_save(checkpoint, out)
+    # a URL (s3://...) names a store, checked here (unknown scheme, missing library) before anything is read
+    source, target = locate(checkpoint_dir), locate(out)
+    found = source.detect()
+    if found.kind not in ("sharded", "lightning"):
+        what = "does not exist" if found.kind == "missing" else "is not a sharded checkpoint folder"
+        raise ValueError(f"{source.shown!r} {what}; {PROG} takes a folder written by a sharded save")
+    if target.is_folder() or os.path.realpath(target.shown) == os.path.realpath(source.shown):
+        raise ValueError(f"OUT.pt {target.shown!r} must be a file path, not the checkpoint folder or another folder")
+    source.adopt(found)
+    checkpoint = load_sharded(source, weights_only=weights_only, found=found)
+    save_file(target, checkpoint)
     return checkpoint
 
 
@@ -61,8 +57,7 @@ def main(argv: Sequence[str], prog: str = PROG) -> int:
     except (ValueError, OSError, RuntimeError, ImportError) as err:  # ImportError: a URL's storage library is missing
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
-    from fabric.plugins.io.storage import is_url, redact
+    from fabric.checkpoint.storage import locate
 
-    shown = redact(args.out) if is_url(args.out) else args.out
-    print(f"{prog}: wrote {shown} ({', '.join(sorted(map(str, checkpoint)))})")
+    print(f"{prog}: wrote {locate(args.out).shown} ({', '.join(sorted(map(str, checkpoint)))})")
     return 0

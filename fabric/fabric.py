@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric._core.env import started_by_a_cli
+from fabric._core.urls import local_or_url
 from fabric.accelerators import Accelerator
 from fabric.callbacks import call_hook, callbacks_from_argument, loggers_from_argument
 from fabric.checkpoint.state import check_filter
@@ -33,7 +34,6 @@ from fabric.input_types import (
     StrategyInput,
 )
 from fabric.launching import check_launch_request, do_nothing
-from fabric.plugins.io.storage import local_or_url
 from fabric.setup_inputs import check_optimizers, prepare_dataloader, prepare_module, wrap_module
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import CPU, as_moved_to_cpu, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device

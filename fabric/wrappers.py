@@ -15,7 +15,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.loader_progress import LoaderOwnState, LoaderProgress
+from fabric.checkpoint.resume.loader_progress import LoaderOwnState, LoaderProgress
 from fabric.checkpoint.stateful import is_stateful
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import move_data_to_device

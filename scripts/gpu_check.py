@@ -46,7 +46,7 @@ CUDA_TESTS = (
     "tests/test_dropin.py",
     "tests/plugins/test_precision.py",
     "tests/plugins/test_bitsandbytes.py",
-    "tests/plugins/io/test_device_load.py",
+    "tests/checkpoint/formats/test_device_load.py",
 )
 CPU_LOGIC_TESTS = ("tests/gpu/test_device_jobs.py::test_on_the_cpu",)
 REQUIRED = ("torch", "numpy", "lightning_utilities", "pytest", "isal", "fabric")

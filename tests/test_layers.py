@@ -24,6 +24,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("fabric.strategies.launchers",),
     ("fabric.checkpoint",),
     ("fabric.accelerators", "fabric.plugins", "fabric.loggers", "fabric.callbacks"),
+    # the bytes of a checkpoint, below the CheckpointIO plugin that writes them: the storage layer, the single-file
+    # format and the checks of every byte
+    (
+        "fabric.checkpoint.storage",
+        "fabric.checkpoint.formats.file",
+        "fabric.checkpoint.formats.device_load",
+        "fabric.checkpoint.formats.shard_reader",
+        "fabric.checkpoint.formats.tensor_record",
+        "fabric.checkpoint.integrity",
+    ),
     ("fabric.plugins.environments",),  # a plugin family, so above the utilities; standard library and _core only
     ("fabric.utilities",),
     ("fabric.checkpoint.errors",),  # standard library only: every layer that raises or catches a checkpoint error imports it

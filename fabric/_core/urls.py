@@ -4,7 +4,7 @@ A string with a scheme (``s3://bucket/x``, ``memory://x``, ``simplecache::s3://.
 local path; ``file://`` is the local disk. Resolving a URL imports fsspec (and its storage library) on
 first use only; an unknown scheme or a missing library stops with an error naming the URL (credentials
 stripped) and the extra of fabric-torch that installs the library. Checkpoints on URLs:
-``fabric.plugins.io.storage``.
+``fabric.checkpoint.storage``.
 """
 
 from __future__ import annotations

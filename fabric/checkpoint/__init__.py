@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     )
     from fabric.checkpoint.fit import check_optimizer_state_fits, check_state_dict_fits
     from fabric.checkpoint.per_rank import PER_RANK_KEY, gather_per_rank_states, state_of_rank
-    from fabric.checkpoint.random_state import capture_random_state, restore_random_state
+    from fabric.checkpoint.resume.random_state import capture_random_state, restore_random_state
     from fabric.checkpoint.state import collect_states
     from fabric.checkpoint.stateful import (
         SAVED_RANKS_KEY,
@@ -54,7 +54,7 @@ _LAZY = {
     ),
     **dict.fromkeys(("check_optimizer_state_fits", "check_state_dict_fits"), "fabric.checkpoint.fit"),
     **dict.fromkeys(("PER_RANK_KEY", "gather_per_rank_states", "state_of_rank"), "fabric.checkpoint.per_rank"),
-    **dict.fromkeys(("capture_random_state", "restore_random_state"), "fabric.checkpoint.random_state"),
+    **dict.fromkeys(("capture_random_state", "restore_random_state"), "fabric.checkpoint.resume.random_state"),
     "collect_states": "fabric.checkpoint.state",
     **dict.fromkeys(
         (

@@ -90,20 +90,19 @@ def start_background_save(write: Callable[[], None], description: str) -> SaveHa
     return _pending
 
 
-def save_in_background(checkpoint_io: Any, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> SaveHandle:
+def save_in_background(checkpoint_io: Any, checkpoint: dict[str, Any], path: Any, shown: str, storage_options: Any = None) -> SaveHandle:
     """A single-file save through ``checkpoint_io`` of a CPU copy of ``checkpoint``'s tensors, in the background.
+    ``shown``: how messages name the checkpoint (a URL without its credentials).
 
     Containers are copied with the tensors; other values are taken as they are at the call.
     """
     from lightning_utilities.core.apply_func import apply_to_collection
     from torch import Tensor
 
-    from fabric._core.urls import is_url, redact
-
     staged = apply_to_collection(checkpoint, Tensor, lambda tensor: tensor.detach().to("cpu", copy=True))
     return start_background_save(
         lambda: checkpoint_io.save_checkpoint(staged, path, storage_options=storage_options),
-        repr(redact(path) if is_url(path) else str(path)),  # printed and raised: never a URL's credentials
+        repr(shown),  # printed and raised: never a URL's credentials
     )
 
 

@@ -50,3 +50,11 @@ class CheckpointMismatchError(KeyError, ValueError, TypeError, CheckpointLoadErr
     def __str__(self) -> str:
         # KeyError's str() quotes its argument; this message is a sentence, shown as written
         return str(self.args[0]) if self.args else ""
+
+
+def is_pickling_error(err: BaseException) -> bool:
+    """Whether ``err`` is ``torch.save`` meeting an object pickle cannot handle (a lock, a lambda, an open file):
+    the state's fault, whichever store the checkpoint was going to."""
+    import pickle
+
+    return isinstance(err, pickle.PicklingError) or (isinstance(err, (TypeError, AttributeError)) and "pickle" in str(err))

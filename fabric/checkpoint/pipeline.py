@@ -4,7 +4,7 @@ Saving: the states that differ between ranks are gathered (``per_rank``), then t
 format writes: ``"file"`` (the state dicts the strategy's hooks give, one file from rank 0 through the
 CheckpointIO plugin), ``"sharded"`` (a folder in which every rank writes its shards, ``sharded_folder``)
 or ``"full"`` (sharded objects gathered into one file from rank 0, ``full_file``). Rank 0's outcome
-reaches every rank (``agreement``); files and folders appear whole (``fabric.plugins.io.publish``).
+reaches every rank (``agreement``); files and folders appear whole (``fabric.checkpoint.storage.disk``).
 
 Loading: what is on disk decides, here alone: a folder of shards loads into any layout
 (``sharded_folder``); a file loads through the strategy's format (plain state dicts, or full tensors
@@ -33,9 +33,8 @@ from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY
+from fabric.checkpoint.storage import Found, Store, locate
 from fabric.plugins.io import CheckpointIO, TorchCheckpointIO
-from fabric.plugins.io.publish import check_loadable, is_sharded_checkpoint, remove_abandoned, remove_abandoned_once
-from fabric.plugins.io.storage import is_url, redact
 
 __all__ = ["CheckpointFormat", "CheckpointHost", "check_checkpoint_io", "load", "save"]
 
@@ -93,7 +92,8 @@ def save(
     write's outcome comes with the next save or load); a failure is raised on every rank.
     """
     check_path(path, "save")
-    remove_abandoned_once(path)  # the start of a job: what killed saves in this folder left, where the writer is gone
+    store = locate(path)
+    store.before_save()  # the start of a job: what killed saves in this folder left, where the writer is gone
     # the gather's tensors go to this rank's device: NCCL collectives take no CPU tensors
     state = gather_per_rank_states(state, lambda tensor: host.all_gather(tensor.to(host.root_device)), host.world_size, filter)
     checkpoint_format = host.checkpoint_format
@@ -101,24 +101,26 @@ def save(
         if storage_options is not None:
             raise TypeError(f"{type(host).__name__}.save_checkpoint got storage_options={storage_options!r}; it accepts none")
         if checkpoint_format == "sharded":
-            from fabric.checkpoint.sharded_folder import save_sharded
+            from fabric.checkpoint.formats.sharded import save_sharded
 
-            save_sharded(path, state, filter=filter, async_save=async_save)
+            save_sharded(store, state, filter=filter, async_save=async_save)
             return
         if async_save:
             raise ValueError("save(..., async_save=True) needs state_dict_type='sharded'; got state_dict_type='full'")
-        from fabric.checkpoint.full_file import save_full
+        from fabric.checkpoint.formats.full import save_full
 
-        save_full(path, state, filter=filter, checkpoint_io=host.checkpoint_io)
+        save_full(path, state, filter=filter, checkpoint_io=host.checkpoint_io)  # a user's CheckpointIO gets the path
         return
     checkpoint = collect_states(host, state, filter)
+
+    where = store if type(host.checkpoint_io) is TorchCheckpointIO else path  # a user's CheckpointIO gets the path
 
     def write() -> None:
         wait_for_pending_save()
         if async_save:
-            save_in_background(host.checkpoint_io, checkpoint, path, storage_options)
+            save_in_background(host.checkpoint_io, checkpoint, where, store.shown, storage_options)
         else:
-            host.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            host.checkpoint_io.save_checkpoint(checkpoint, where, storage_options=storage_options)  # type: ignore[arg-type]
 
     on_rank_zero(write, rank=host.global_rank, broadcast=lambda outcome: host.broadcast(outcome, src=0))
 
@@ -153,43 +155,62 @@ def _load(
     host: CheckpointHost, path: str | Path, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
     wait_for_pending_save()  # the file being written in the background is the one asked for, maybe
-    if not is_url(path):  # (a store has no FIFOs, and a cut save there leaves objects the next save removes)
-        check_loadable(path)  # before anything opens it: a FIFO would block forever
-        remove_abandoned(path)  # what killed saves in this checkpoint's folder left, where the writer is gone
-    if is_sharded_checkpoint(path):  # a folder written by a sharded strategy loads anywhere
-        from fabric.checkpoint.sharded_folder import load_sharded
+    store = locate(path)
+    store.before_load()
+    found = _agree_on_what_is_there(host, store, collective=isinstance(state, dict))
+    if found.kind in ("sharded", "lightning"):  # a folder written by a sharded strategy loads anywhere
+        from fabric.checkpoint.formats.sharded import load_sharded
 
         if isinstance(state, (Module, Optimizer)):
-            shown = redact(str(path)) if is_url(path) else str(path)
             raise TypeError(
-                f"{shown!r} is a sharded checkpoint folder; load it with fabric.load(path, {{'model': model, ...}})"
+                f"{store.shown!r} is a sharded checkpoint folder; load it with fabric.load(path, {{'model': model, ...}})"
                 " rather than load_raw()"
             )
-        return load_sharded(path, state, strict=strict, weights_only=weights_only)
-    if not is_url(path) and Path(path).is_dir() and (host.checkpoint_format != "file" or type(host.checkpoint_io) is TorchCheckpointIO):
-        raise CheckpointLoadError(incomplete_folder(Path(path)))  # (a user's CheckpointIO may keep folders)
-    if host.checkpoint_format != "file" and isinstance(state, dict):
-        from fabric.checkpoint.full_file import load_full  # full tensors into sharded objects
+        return load_sharded(store, state, strict=strict, weights_only=weights_only, found=found)
+    if found.kind == "folder" and (host.checkpoint_format != "file" or type(host.checkpoint_io) is TorchCheckpointIO):
+        from fabric.checkpoint.formats.sharded import incomplete_folder
 
-        return load_full(path, state, strict=strict, weights_only=weights_only)
+        raise CheckpointLoadError(incomplete_folder(store.sharded_read().open()))  # (a user's CheckpointIO may keep folders)
+    if host.checkpoint_format != "file" and isinstance(state, dict):
+        from fabric.checkpoint.formats.full import load_full  # full tensors into sharded objects
+
+        return load_full(store, state, strict=strict, weights_only=weights_only)
+    # our own CheckpointIO reads the store rank 0 looked at (a store's record is not read again); a user's gets the path
+    where: str | Path | Store = store if type(host.checkpoint_io) is TorchCheckpointIO else path
     if state is None:
-        return host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        return host.checkpoint_io.load_checkpoint(where, weights_only=weights_only)  # type: ignore[arg-type]
     if isinstance(state, (Module, Optimizer)):  # load_raw: one object, checked before it changes
-        read_raw = _reader(host, path, weights_only, {"raw": state}, whole=True)
-        source = StateDictFile(host, lambda: {"raw": read_raw()}, path)
+        read_raw = _reader(host, where, weights_only, {"raw": state}, whole=True)
+        source = StateDictFile(host, lambda: {"raw": read_raw()}, store.shown)
         restore(source, {"raw": state}, strict=strict, agree=_alone)
         return {}
-    return restore(StateDictFile(host, _reader(host, path, weights_only, state), path), state, strict=strict, agree=partial(_agree_through, host))
+    return restore(StateDictFile(host, _reader(host, where, weights_only, state), store.shown), state, strict=strict, agree=partial(_agree_through, host))
 
 
-def _reader(host: CheckpointHost, path: str | Path, weights_only: bool | None, state: dict[str, Any], whole: bool = False) -> Callable[[], Any]:
+def _agree_on_what_is_there(host: CheckpointHost, store: Store, collective: bool) -> Found:
+    """What the location holds, as rank 0 found it, on every rank of a collective load (``load_raw`` and a load
+    without state may run on one rank alone: each looks for itself). A store's commit record travels with it."""
+    if collective and host.world_size > 1:
+        found = on_rank_zero(
+            store.detect,
+            rank=host.global_rank,
+            broadcast=lambda outcome: host.broadcast(outcome, src=0),
+            origin="Rank 0 could not open the checkpoint",
+        )
+    else:
+        found = store.detect()
+    store.adopt(found)
+    return found
+
+
+def _reader(host: CheckpointHost, path: str | Path | Store, weights_only: bool | None, state: dict[str, Any], whole: bool = False) -> Callable[[], Any]:
     """How the single file is read for ``state``: into new storage on the GPU that ``state``'s modules and
     optimizers live on, where there is one and the plain CheckpointIO reads (``device_load``); else as the
     CheckpointIO reads (on the CPU). ``whole``: the file is the one object's state dict (``load_raw``)."""
     device = staging_device(state.values())
     checkpoint_io = host.checkpoint_io
     if device is None or type(checkpoint_io) is not TorchCheckpointIO:
-        return partial(checkpoint_io.load_checkpoint, path, weights_only=weights_only)
+        return partial(checkpoint_io.load_checkpoint, path, weights_only=weights_only)  # type: ignore[arg-type]
     objects = [key for key, obj in state.items() if isinstance(obj, (Module, Optimizer))]
 
     def read() -> Any:
@@ -225,25 +246,6 @@ def staging_device(objects: Iterable[Any]) -> torch.device | None:
             elif tensor.device != device:
                 return None
     return device if device is not None and device.type == "cuda" else None
-
-
-def incomplete_folder(folder: Path) -> str:
-    """Why ``folder`` (not a complete sharded checkpoint) cannot be loaded, naming what it lacks."""
-    from fabric.plugins.io.publish import INDEX_FILE
-
-    if not any(folder.iterdir()):
-        return f"Checkpoint path {str(folder)!r} is an empty folder, not a checkpoint"
-    from fabric.plugins.io.publish import special_kind
-
-    for name in (INDEX_FILE, "fabric-objects.pt"):
-        kind = special_kind(folder / name) if (folder / name).is_symlink() else None
-        if kind is not None:
-            return f"{str(folder)!r} is a sharded checkpoint folder whose {name} is {kind}; it cannot be read"
-    lacking = [name for name in (INDEX_FILE, "fabric-objects.pt") if not (folder / name).is_file()]
-    return (
-        f"{str(folder)!r} is a folder but not a complete sharded checkpoint: it has no {' and no '.join(lacking)}"
-        " (a copy that stopped early, or files deleted since); load a complete checkpoint"
-    )
 
 
 def _alone(step: Callable[[], T], what: str) -> T:

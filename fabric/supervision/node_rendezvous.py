@@ -13,7 +13,7 @@ agents do. A round of the rendezvous is an attempt:
 * the nodes of the round are numbered by their ``--node-rank`` (each node its own; node 0, which hosts
   the store and is the ranks' ``MASTER_ADDR``, is always there): ``GROUP_RANK``, the global ranks and
   ``WORLD_SIZE`` follow from the round, so after a resize the script sees the new size and resumes
-  on it (``fabric.checkpoint.resize``). With a fixed number of nodes a rank keeps its number across
+  on it (``fabric.checkpoint.resume.resize``). With a fixed number of nodes a rank keeps its number across
   attempts, so per-rank checkpoint state resumes where it belongs;
 * while the ranks run, the supervisor asks :meth:`NodeRendezvous.should_stop`: a node waiting for the
   next round (its ranks failed, or it is new) makes the others stop theirs and join it, and a closed

@@ -73,15 +73,16 @@ def test_a_mismatch_reads_as_written_though_it_is_a_key_error() -> None:
 
 def test_the_old_homes_give_the_same_classes() -> None:
     import fabric.checkpoint
-    from fabric.checkpoint import fit
+    from fabric.checkpoint import fit, integrity
+    from fabric.checkpoint.formats import file
+    from fabric.checkpoint.storage import objects as object_store
     from fabric.plugins import io
-    from fabric.plugins.io import integrity, single_file, storage
     from fabric.utilities import exceptions
 
-    assert single_file.CheckpointLoadError is io.CheckpointLoadError is CheckpointLoadError
-    assert single_file.UnsafeCheckpointError is io.UnsafeCheckpointError is UnsafeCheckpointError
+    assert file.CheckpointLoadError is io.CheckpointLoadError is CheckpointLoadError
+    assert file.UnsafeCheckpointError is io.UnsafeCheckpointError is UnsafeCheckpointError
     assert integrity.CorruptCheckpointError is CorruptCheckpointError
-    assert storage.CommitRecordError is CommitRecordError
+    assert object_store.CommitRecordError is CommitRecordError
     assert exceptions.CheckpointMismatchError is fit.CheckpointMismatchError is CheckpointMismatchError
     for name in errors.__all__:
         assert getattr(fabric.checkpoint, name) is getattr(errors, name)
@@ -129,7 +130,7 @@ def damaged(data: bytes, damage: str) -> bytes:
 
 def on_the_store(url: str, name: str) -> tuple[Any, str]:
     """(filesystem, path) of the object ``name`` of the checkpoint at ``url``, as its commit record names it."""
-    from fabric.plugins.io import storage
+    from fabric.checkpoint.storage import objects as storage
 
     fs, path = storage.filesystem(url)
     record = json.loads(fs.cat_file(path))
@@ -189,7 +190,7 @@ def test_a_damaged_single_file_is_a_checkpoint_load_error_on_disk_and_on_a_store
 def test_a_sharded_data_file_of_another_size_is_a_checkpoint_load_error_on_disk_and_on_a_store(
     tmp_path: Path, memory_url: str, damage: str
 ) -> None:
-    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
 
     net, _ = stepped_pair(seed=1)
     folder, url = tmp_path / "sharded", f"{memory_url}/sharded"

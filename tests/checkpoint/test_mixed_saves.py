@@ -20,11 +20,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+from fabric.checkpoint import integrity
+from fabric.checkpoint.formats import shard_reader as safe_reader
+from fabric.checkpoint.formats.file import CheckpointLoadError
+from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE
+from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.storage.disk import SPARE_PREFIX
 from fabric.consolidate import main as consolidate_main
-from fabric.plugins.io import integrity, safe_reader
-from fabric.plugins.io.publish import INDEX_FILE, OBJECTS_FILE, SPARE_PREFIX, atomic_save
-from fabric.plugins.io.single_file import CheckpointLoadError
+from fabric.plugins.io import atomic_save
 from support.dcp_jobs import run_job
 
 SHARD = "__0_0.distcp"

@@ -20,7 +20,7 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.checkpoint import SAVED_RANKS_KEY, CheckpointMismatchError
-from fabric.checkpoint.resize import epoch_order, rank_share
+from fabric.checkpoint.resume.resize import epoch_order, rank_share
 from support.environment import job_environment
 from support.loading import script_path
 from support.scripts.resize.loaders import ResizableShardLoader, ShardPositionLoader

@@ -1,4 +1,4 @@
-"""One rank of a sharded-checkpoint test job (started by tests/plugins/io/test_sharded_checkpoint.py).
+"""One rank of a sharded-checkpoint test job (started by tests/checkpoint/formats/test_sharded.py).
 
 ``job.py OUT save``: train a tiny model under ``fully_shard`` for three AdamW steps, then write it
 sharded (``OUT/sharded``), full (``OUT/full.pt``), in Lightning Fabric's sharded layout
@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fabric.checkpoint.full_file import save_full
+from fabric.checkpoint.formats.full import save_full
+from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
 from fabric.checkpoint.layout import optimizer_numbered
-from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
 from fabric.utilities.group_lifetime import (
     bind_default_arguments_before_the_group_exists,
     leave_process_group_at_exit,

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fabric.checkpoint.sharded_folder import save_sharded
+from fabric.checkpoint.formats.sharded import save_sharded
 
 
 def main() -> None:

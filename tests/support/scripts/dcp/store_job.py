@@ -1,5 +1,5 @@
 """One rank of a 2-process ``strategy="fsdp"`` job that saves sharded checkpoints to a store (started by
-tests/plugins/io/test_s3_storage.py under torchrun; the store's address comes in the environment).
+tests/checkpoint/storage/test_s3.py under torchrun; the store's address comes in the environment).
 
 ``store_job.py URL OUT save``: train ``job_model()`` 3 AdamW steps (each rank's part is written as 4 data files, as a
 large model's is), ``fabric.save(URL/sync)``; one more step,
@@ -7,7 +7,8 @@ large model's is), ``fabric.save(URL/sync)``; one more step,
 ``OUT/ref-async.pt``). Then one more step and a save to ``URL/sync`` again, in which rank 1's upload of its
 data file fails after 100 kB (``OUT/failed-rank{R}.txt``: the error each rank raised); then fresh objects load
 ``URL/sync``: they must hold the first save's values (``OUT/after-failure.pt``).
-``store_job.py URL OUT load NAME...``: fresh objects load each ``URL/NAME`` (``OUT/loaded-NAME.pt``, gathered).
+``store_job.py URL OUT load NAME...``: fresh objects load each ``URL/NAME`` (``OUT/loaded-NAME.pt``, gathered);
+``OUT/record-reads-rank{R}.txt``: how many GETs of the commit records rank R made.
 ``store_job.py URL OUT tp``: ``ModelParallelStrategy`` (tensor parallel over the 2 ranks) trains the residual MLP
 of the sharding jobs 2 steps, saves to ``URL/tp`` (``OUT/ref-tp.pt``), and fresh objects load it
 (``OUT/loaded-tp.pt``).
@@ -79,6 +80,24 @@ def failing_data_uploads(original):
     return write_object
 
 
+def count_record_reads(url: str, names: list[str]) -> list[str]:
+    """Every GET of the commit records of ``URL/NAME`` this process makes from now on (the list grows)."""
+    from fabric._core.urls import filesystem
+
+    fs, root = filesystem(url)
+    records = {f"{root}/{name}" for name in names}
+    reads: list[str] = []
+    original = type(fs).cat_file
+
+    def cat_file(self, path, *args, **kwargs):
+        if str(path).rstrip("/") in records and not args and kwargs.get("start") is None:
+            reads.append(str(path))
+        return original(self, path, *args, **kwargs)
+
+    type(fs).cat_file = cat_file
+    return reads
+
+
 def tensor_parallel(url: str, out_path: Path) -> None:
     from fabric.strategies import ModelParallelStrategy
     from support.scripts.sharding.model import make_net, parallelize
@@ -113,7 +132,7 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
     fabric.launch()
     if mode == "save":
-        import fabric.checkpoint.sharded_store as sharded_store
+        import fabric.checkpoint.storage.sharded_store as sharded_store
 
         sharded_store._BYTES_PER_FILE = 64 << 10  # each rank writes (and uploads at once) 4 data files, as a big model's
         model, optimizer = build(fabric, seed=1)
@@ -126,7 +145,7 @@ def main() -> None:
         save_on_rank_zero(fabric, gathered(model, optimizer), out_path / "ref-async.pt")
         step(fabric, model, optimizer)
 
-        from fabric.plugins.io import storage
+        import fabric.checkpoint.storage.objects as storage
 
         if fabric.global_rank == 1:
             storage.write_object = failing_data_uploads(storage.write_object)
@@ -141,11 +160,13 @@ def main() -> None:
         fabric.load(f"{url}/sync", state)
         save_on_rank_zero(fabric, {**gathered(fresh, fresh_optimizer), "step": state["step"]}, out_path / "after-failure.pt")
     elif mode == "load":
+        reads = count_record_reads(url, names)
         for name in names:
             fresh, fresh_optimizer = build(fabric, seed=2)
             state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
             fabric.load(f"{url}/{name}", state)
             save_on_rank_zero(fabric, {**gathered(fresh, fresh_optimizer), "step": state["step"]}, out_path / f"loaded-{name}.pt")
+        (out_path / f"record-reads-rank{fabric.global_rank}.txt").write_text(str(len(reads)))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
 

@@ -1,4 +1,4 @@
-"""The staged load for objects on a GPU (``fabric/plugins/io/device_load.py``), its logic on the CPU.
+"""The staged load for objects on a GPU (``fabric/checkpoint/formats/device_load.py``), its logic on the CPU.
 
 ``RingReader`` is driven with an in-memory file and a ``Staging`` whose copies finish only when waited for,
 so the tests see what a GPU's asynchronous copies would let go wrong: a buffer read into again while a copy
@@ -22,9 +22,10 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.checkpoint import pipeline
-from fabric.plugins.io import CheckpointLoadError, device_load
-from fabric.plugins.io.device_load import HostStaging, RingReader, load_staged
-from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError
+from fabric.checkpoint.errors import CheckpointLoadError
+from fabric.checkpoint.formats import device_load
+from fabric.checkpoint.formats.device_load import HostStaging, RingReader, load_staged
+from fabric.checkpoint.integrity import CheckedArchive, CorruptCheckpointError
 from support.archives import data_range, flipped
 
 

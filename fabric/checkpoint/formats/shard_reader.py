@@ -31,10 +31,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.futures import Future
 
 from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError
-from fabric.plugins.io.integrity import SMALL_ARCHIVE, CheckedArchive, crc32, load_checked, records_digest, warn_once
-from fabric.plugins.io.publish import INDEX_FILE as METADATA_FILE
-from fabric.plugins.io.publish import OBJECTS_FILE
-from fabric.plugins.io.tensor_record import read_into
+from fabric.checkpoint.formats.tensor_record import read_into
+from fabric.checkpoint.integrity import SMALL_ARCHIVE, CheckedArchive, crc32, load_checked, records_digest, warn_once
+
+# the files of a sharded checkpoint folder, by name
+INDEX_FILE = METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
+OBJECTS_FILE = "fabric-objects.pt"  # fabric's file beside the shards: every entry but their tensors, and the index's CRC
+LIGHTNING_META_FILE = "meta.pt"  # Lightning Fabric's file of non-tensor entries beside the shards (no OBJECTS_FILE)
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata",)
 _ALLOWED_GLOBALS = {

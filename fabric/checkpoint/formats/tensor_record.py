@@ -7,7 +7,7 @@ into new storage of ours (``sharded_folder``) would hold the state twice, and a 
 optimizer state would be allocated, then thrown away. When the saved tensor is laid out exactly as the
 destination (same dtype, shape and contiguous strides, the storage holding nothing else), its bytes are
 read straight into the destination's memory instead, their CRC-32 checked as they pass
-(:class:`~fabric.plugins.io.integrity.CheckedArchive`).
+(:class:`~fabric.checkpoint.integrity.CheckedArchive`).
 
 The pickle is read by an unpickler that knows only the few names such a pickle uses and builds no
 tensor; anything else (another layout, another form of pickle) is left to ``torch.load``.
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fabric.plugins.io.integrity import CheckedArchive
+from fabric.checkpoint.integrity import CheckedArchive
 
 __all__ = ["read_into"]
 

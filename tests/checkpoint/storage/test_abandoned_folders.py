@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fabric import Fabric
-from fabric.checkpoint.sharded_folder import save_sharded
-from fabric.plugins.io import publish
+from fabric.checkpoint.formats.sharded import save_sharded
+from fabric.checkpoint.storage import disk as publish
 from support.environment import clean_env
 from support.processes import alive
 
@@ -30,7 +30,7 @@ if not sys.platform.startswith("linux"):
 _WRITER = textwrap.dedent("""\
     import sys, torch
     from torch import nn
-    from fabric.checkpoint.sharded_folder import save_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
     torch.set_num_threads(1)
     model = nn.Linear(512, 512)
     step = 0

@@ -1,4 +1,4 @@
-"""Reading a one-tensor ``torch.save`` archive straight into a tensor's memory (``fabric/plugins/io/tensor_record.py``):
+"""Reading a one-tensor ``torch.save`` archive straight into a tensor's memory (``fabric/checkpoint/formats/tensor_record.py``):
 the bytes land in place, once, checked; every other layout is left to ``torch.load`` with the destination
 untouched; damage is refused naming the record; a pickle naming anything else runs nothing."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fabric.plugins.io import integrity
-from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError
-from fabric.plugins.io.tensor_record import read_into
+from fabric.checkpoint import integrity
+from fabric.checkpoint.formats.tensor_record import read_into
+from fabric.checkpoint.integrity import CheckedArchive, CorruptCheckpointError
 from support.archives import archive_bytes, data_range, flipped
 
 

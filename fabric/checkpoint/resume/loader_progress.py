@@ -18,8 +18,8 @@ import torch
 
 from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.per_rank import PER_RANK_KEY, is_per_rank_record, state_of_rank
-from fabric.checkpoint.random_state import capture_random_state, check_random_state, restore_random_state
-from fabric.checkpoint.resize import derived_seed, epoch_order, order_record, rank_share, seed_everything_derived
+from fabric.checkpoint.resume.random_state import capture_random_state, check_random_state, restore_random_state
+from fabric.checkpoint.resume.resize import derived_seed, epoch_order, order_record, rank_share, seed_everything_derived
 from fabric.checkpoint.stateful import is_resizable
 from fabric.utilities.data import loader_arguments
 from fabric.utilities.seed import global_seed_from_environment

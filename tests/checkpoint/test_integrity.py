@@ -1,4 +1,4 @@
-"""The CRC check that rides along the load (``fabric/plugins/io/integrity.py``, and its use for shard items in
+"""The CRC check that rides along the load (``fabric/checkpoint/integrity.py``, and its use for shard items in
 ``safe_reader.py``): every byte read once, checked while it passes, a damaged one refused before anything
 changes, through both of its paths (small archives read whole into memory, larger ones streamed straight
 into the tensors' storage).
@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from fabric import Fabric
-from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
-from fabric.plugins.io import CheckpointLoadError, integrity, safe_load
-from fabric.plugins.io.integrity import CheckedArchive, CorruptCheckpointError, load_checked
-from fabric.plugins.io.safe_reader import SafeFileSystemReader, read_index
+from fabric.checkpoint import integrity
+from fabric.checkpoint.formats.shard_reader import SafeFileSystemReader, read_index
+from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.integrity import CheckedArchive, CorruptCheckpointError, load_checked
+from fabric.plugins.io import CheckpointLoadError, safe_load
 from support.archives import archive_bytes, data_range, flipped
 
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from fabric import Fabric
-from fabric.plugins.io import atomic_save, safe_load, storage
+from fabric.checkpoint.storage import objects as storage
+from fabric.plugins.io import atomic_save, safe_load
 from support.environment import free_port
 from support.s3 import VARIABLES, MotoS3
 
@@ -247,7 +248,7 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
     """On the bucket: a 2-process FSDP job saves sharded (sync, then async), then a save in which rank 1's upload
     fails: every rank raises, the previous checkpoint loads with its exact values. Then 2 -> 2 processes, 2 -> 1
     (a plain module in this process) and 1 -> 2 (saved here without processes) load what was saved."""
-    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
 
     out = tmp_path / "out"
     out.mkdir()
@@ -281,6 +282,8 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
     save_sharded(f"{bucket}/run/one", {"model": model, "optimizer": optimizer, "step": 11})
     single = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     store_job(f"{bucket}/run", out, "load", "async", "one", tmpdir=tmp_path / "tmp")
+    # rank 0 reads each commit record once and every rank adopts what it found: one GET of the record per load
+    assert [int((out / f"record-reads-rank{rank}.txt").read_text()) for rank in (0, 1)] == [2, 0]
     loaded = torch.load(out / "loaded-async.pt", weights_only=True)
     assert loaded["step"] == 4
     assert_same(loaded, reference["async"])
@@ -294,7 +297,7 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
 def test_two_process_model_parallel_sharded_checkpoint_on_the_bucket(bucket: str, tmp_path) -> None:
     """ModelParallelStrategy (tensor parallel over 2 processes) saves its DCP shards to the bucket and loads them back;
     a plain module in this process loads them too (2 -> 1)."""
-    from fabric.checkpoint.sharded_folder import load_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded
     from support.scripts.sharding.model import make_net
 
     out = tmp_path / "out"
@@ -314,7 +317,7 @@ def test_two_process_model_parallel_sharded_checkpoint_on_the_bucket(bucket: str
 
 def sharded_url_and_state(bucket: str, name: str = "sharded", seed: int = 5) -> tuple[str, nn.Module, torch.optim.Optimizer]:
     """A sharded checkpoint saved on the bucket by one process (no process group), with what it holds."""
-    from fabric.checkpoint.sharded_folder import save_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
 
     model, optimizer = plain_job_objects(seed)
     model(torch.ones(2, 6)).sum().backward()

@@ -1,9 +1,4 @@
-"""Where a user's path points: the local disk, or a store reached through fsspec. One place decides.
-
-A string with a scheme (``s3://bucket/run/ckpt.pt``, ``memory://x``, ``gs://...``) is a URL and is never
-taken for a local path: it resolves to its fsspec filesystem, or stops with an error that says why (an
-unknown scheme; the storage library is not installed, naming the extra that brings it). ``file://`` is
-the local disk and takes the local code path. A ``Path`` or a string without a scheme is local.
+"""The objects of checkpoints on a store (any fsspec URL): the commit record, generations, checked transfers.
 
 An object store has no rename and no fsync, so a checkpoint becomes visible by a *commit record*: every
 object of a new save is written first, under a new generation prefix beside the target
@@ -37,7 +32,7 @@ from typing import Any, TypeVar
 from fabric._core.processes import process_alive
 from fabric._core.urls import MissingStorageLibraryError, filesystem, is_url, local_or_url, redact, scheme_of
 from fabric.checkpoint.errors import CommitRecordError
-from fabric.plugins.io.integrity import crc32
+from fabric.checkpoint.integrity import crc32
 
 T = TypeVar("T")
 
@@ -362,26 +357,6 @@ def _remove_quietly(fs: Any, path: str) -> None:
         pass
 
 
-def save_file(obj: Any, url: str) -> None:
-    """``torch.save(obj)`` to the store at ``url`` under a new generation, then its commit record."""
-    import torch
-
-    fs, path = filesystem(url)
-    generation = new_generation()
-    try:
-        digest = write_object(fs, f"{generation_prefix(path, generation)}/{FILE_OBJECT}", lambda file: torch.save(obj, file), url)
-        write_record(fs, path, Record("file", generation, {FILE_OBJECT: digest}))
-    except BaseException as err:
-        remove_other_generations_than_committed(fs, path, url)
-        if isinstance(err, Exception) and not isinstance(err, (TypeError, ValueError)):
-            raise OSError(
-                f"Could not save the checkpoint {redact(url)!r}: {type(err).__name__}: {_first_line(err)}"
-                " (the previous checkpoint, if any, is unchanged)"
-            ) from err
-        raise
-    remove_other_generations(fs, path, keep=generation)
-
-
 def remove_other_generations_than_committed(fs: Any, path: str, url: str) -> None:
     """After a failed save: remove the objects no commit record names (best effort, never raises)."""
     try:
@@ -389,15 +364,6 @@ def remove_other_generations_than_committed(fs: Any, path: str, url: str) -> Non
     except Exception:
         return  # cannot tell which generation is the checkpoint (the store may be gone): keep everything
     remove_other_generations(fs, path, keep=committed)
-
-
-def read_committed(url: str, kind: str) -> tuple[Any, str, Record]:
-    """(filesystem, path, record) of the checkpoint at ``url``, checked to be of ``kind``."""
-    fs, path = filesystem(url)
-    record = read_record(fs, path, url)
-    if record.kind != kind:
-        raise CommitRecordError(f"{redact(url)!r} is a {record.kind} checkpoint, not a {kind} one")
-    return fs, path, record
 
 
 def fetch_object(fs: Any, path: str, record: Record, name: str, url: str) -> int:
@@ -550,42 +516,3 @@ def _anonymous_file() -> int:
 
     with tempfile.TemporaryFile() as file:  # the duplicate descriptor keeps the (already unlinked) file open
         return os.dup(file.fileno())
-
-
-def load_file(url: str, load: Callable[[int, int, str], T]) -> T:
-    """``load(fd, size, name)`` over the committed single-file checkpoint at ``url``, its bytes checked first."""
-    fs, path, record = read_committed(url, "file")
-    fd = fetch_object(fs, path, record, FILE_OBJECT, url)
-    try:
-        return load(fd, record.objects[FILE_OBJECT]["size"], redact(url))
-    finally:
-        os.close(fd)
-
-
-def remove(url: str) -> None:
-    """Remove the checkpoint at ``url``: its commit record first (it stops being a checkpoint), then its objects."""
-    fs, path = filesystem(url)
-    try:
-        fs.rm(path)
-    except FileNotFoundError:
-        pass
-    remove_other_generations(fs, path, keep=None)
-
-
-def exists(url: str) -> bool:
-    fs, path = filesystem(url)
-    return bool(fs.exists(path))
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def is_sharded(url: str) -> bool:
-    """Whether ``url`` holds the commit record of a sharded checkpoint."""
-    fs, path = filesystem(url)
-    try:
-        return read_record(fs, path, url).kind == "sharded"
-    except (FileNotFoundError, CommitRecordError):
-        return False

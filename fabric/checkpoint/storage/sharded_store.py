@@ -1,5 +1,5 @@
 """Sharded checkpoints on a store (any fsspec URL): written and read through a local staging folder,
-made visible by the commit record (``fabric.plugins.io.storage``).
+made visible by the commit record (``fabric.checkpoint.storage.object_store``).
 
 Saving, on every rank: the shards are written exactly as into a local folder, but into a private staging
 folder (``storage.new_staging``, in ``TMPDIR``; not synced: it need not survive a crash), and each data file
@@ -30,41 +30,17 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from torch import Tensor
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from fabric.checkpoint.agreement import broadcast_in_group, gather_in_group, on_rank_zero, rank_in_group
+import fabric.checkpoint.storage.objects as storage
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
-from fabric.plugins.io import storage
-from fabric.plugins.io.publish import INDEX_FILE, OBJECTS_FILE, out_of_space
-from fabric.plugins.io.safe_reader import check_data_files_belong, data_files_written, first_failure, quiet_single_process
+from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE, check_data_files_belong, data_files_written
 
-__all__ = ["StoreFolder", "agree_on_generation", "agree_on_record", "save_to_store"]
-
-
-def agree_on_generation(url: str, group: Any) -> str:
-    """Rank 0 checks that the store can be reached (scheme, library) and names the new generation; every rank gets it."""
-
-    def prepare() -> str:
-        storage.filesystem(url)
-        return storage.new_generation()
-
-    return on_rank_zero(prepare, rank=rank_in_group(group), broadcast=partial(broadcast_in_group, group=group))
-
-
-def agree_on_record(url: str) -> storage.Record:
-    """The commit record of the sharded checkpoint at ``url`` as rank 0 read it, on every rank (a collective)."""
-    return on_rank_zero(
-        lambda: storage.read_committed(url, "sharded")[2],
-        rank=rank_in_group(None),
-        broadcast=partial(broadcast_in_group, group=None),
-        origin="Rank 0 could not read the checkpoint's commit record",
-    )
+__all__ = ["StoreFolder", "StoreSave"]
 
 
 class _Tee:
@@ -152,17 +128,6 @@ def _files_for(nbytes: int) -> int:
     return max(1, min(_MAX_FILES, nbytes // _BYTES_PER_FILE))
 
 
-def _local_bytes(tensors: dict[str, Tensor]) -> int:
-    """The bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for tensor in tensors.values():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        total += local.numel() * local.element_size()
-    return total
-
-
 class _RecordingWriter(FileSystemWriter):
     """torch's file-system writer (unsynced, over ``fs``, ``files`` data files written by as many threads) that
     keeps where it put each item: the rank's part of the index, known before rank 0 writes the index."""
@@ -178,117 +143,89 @@ class _RecordingWriter(FileSystemWriter):
         return future
 
 
-def save_to_store(url: str, generation: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
-    """Every rank writes its shards into a staging folder, uploading them as they are written; rank 0 commits;
-    every rank learns the outcome."""
-    import torch
-    import torch.distributed.checkpoint as dcp
+class StoreSave:
+    """One rank's side of a sharded save to a store: its shards written into a staging folder and uploaded as they
+    are written; rank 0 uploads the objects file and commits the record (module docstring)."""
 
-    shown = storage.redact(url)
-    failed = f"Saving the sharded checkpoint {shown!r} failed; the previous one is kept."
-    rank = rank_in_group(group)
-    staging = storage.new_staging("save")
-    try:
+    room_hint = " (set TMPDIR to a folder with room)"
+
+    def __init__(self, url: str, generation: str) -> None:
+        self.url, self.generation = url, generation
+        self.folder = storage.new_staging("save")
+        self._unreachable: Exception | None = None
+        self._files: _UploadingFileSystem | None = None
+
+    def writer(self, nbytes: int) -> Any:
         start: Callable[[Path], storage.GrowingUpload] | None = None
-        unreachable: Exception | None = None
         try:
-            fs, path = storage.filesystem(url)
-            prefix = storage.generation_prefix(path, generation)
-            start = lambda local: storage.GrowingUpload(fs, local, f"{prefix}/{local.name}", url)  # noqa: E731
+            fs, path = storage.filesystem(self.url)
+            prefix = storage.generation_prefix(path, self.generation)
+            start = lambda local: storage.GrowingUpload(fs, local, f"{prefix}/{local.name}", self.url)  # noqa: E731
         except Exception as err:  # this rank still writes its part (the save is a collective), then reports it
-            unreachable = err
-        files = _UploadingFileSystem(start)
-        nbytes = _local_bytes(tensors)
-        writer = _RecordingWriter(staging, files, _files_for(nbytes))
-        try:
-            with quiet_single_process():
-                dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
-        except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
-            part: dict[str, Any] = {"error": f"writing the shards into the local staging folder failed {first_failure(err)}"}
-            full = out_of_space(staging, nbytes)
-            if full is not None:
-                part["error"] = f"{full} (set TMPDIR to a folder with room); {part['error']}"
-        else:
-            part = _finish_upload(url, generation, staging, writer.written, files.uploads, rank, unreachable)
-        parts = gather_in_group(part, group)
+            self._unreachable = err
+        self._files = _UploadingFileSystem(start)
+        return _RecordingWriter(self.folder, self._files, _files_for(nbytes))
 
-        def commit() -> None:
-            assert parts is not None
-            errors = [part["error"] for part in parts if "error" in part]
-            if errors:
-                raise RuntimeError(f"{failed} {errors[0]}")
-            data_files: dict[str, Any] = {}
+    def part(self, writer: Any, rank: int) -> dict[str, Any]:
+        """Each data file's upload digest with its items' CRC-32s and its records digest (on rank 0 also the index,
+        uploaded now), or the error this rank met."""
+        try:
+            if self._unreachable is not None:
+                raise self._unreachable
+            assert self._files is not None
+            uploads = self._files.uploads
+            fs, path = storage.filesystem(self.url)
+            prefix = storage.generation_prefix(path, self.generation)
+            items: dict[str, list[tuple[int, int]]] = {}
+            for info in writer.written:
+                items.setdefault(info.relative_path, []).append((info.offset, info.length))
+            for name in sorted(set(uploads) - set(items)):  # a file torch opened but put no item in: not part of the save
+                storage.remove_object_quietly(fs, f"{prefix}/{name}")
             uploaded: dict[str, Any] = {}
-            for part in parts:
-                data_files.update(part["data_files"])
-                uploaded.update(part["uploaded"])
-            binding = {"index_crc32": uploaded[INDEX_FILE]["crc32"], "save_id": generation, "data_files": data_files}
-            try:
-                fs, path = storage.filesystem(url)
-                prefix = storage.generation_prefix(path, generation)
-                uploaded[OBJECTS_FILE] = storage.write_object(
-                    fs, f"{prefix}/{OBJECTS_FILE}", lambda file: torch.save({**objects, **binding}, file), url
-                )
-                storage.write_record(fs, path, storage.Record("sharded", generation, uploaded))
-            except Exception as err:
-                raise RuntimeError(f"{failed} {type(err).__name__}: {_scrub(err, url)}") from err
-            storage.remove_other_generations(fs, path, keep=generation)
+            for name, spans in sorted(items.items()):
+                digest = uploads.get(name)
+                if isinstance(digest, BaseException):
+                    raise digest
+                if digest is None:  # (torch wrote it other than through create_stream: upload it now)
+                    digest = storage.upload_file(fs, self.folder / name, f"{prefix}/{name}", self.url)
+                if digest["size"] != (self.folder / name).stat().st_size:
+                    raise OSError(f"the upload of {name!r} sent {digest['size']} bytes of {(self.folder / name).stat().st_size}")
+                uploaded[name] = {**digest, storage.ITEMS_KEY: storage.item_crcs_of_file(self.folder / name, spans)}
+            data_files = data_files_written(self.folder, writer.written)
+            if rank == 0:
+                uploaded[INDEX_FILE] = storage.upload_file(fs, self.folder / INDEX_FILE, f"{prefix}/{INDEX_FILE}", self.url)
+            return {"data_files": data_files, "uploaded": uploaded}
+        except Exception as err:
+            return {"error": f"uploading rank {rank}'s part failed: {type(err).__name__}: {_scrub(err, self.url)}"}
 
+    def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        self._uploaded: dict[str, Any] = {}
+        data_files: dict[str, Any] = {}
+        for part in parts:
+            data_files.update(part["data_files"])
+            self._uploaded.update(part["uploaded"])
+        return {"index_crc32": self._uploaded[INDEX_FILE]["crc32"], "save_id": self.generation, "data_files": data_files}
+
+    def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
+        fs, path = storage.filesystem(self.url)
+        prefix = storage.generation_prefix(path, self.generation)
+        self._uploaded[OBJECTS_FILE] = storage.write_object(fs, f"{prefix}/{OBJECTS_FILE}", write_objects, self.url)
+        storage.write_record(fs, path, storage.Record("sharded", self.generation, self._uploaded))
+        storage.remove_other_generations(fs, path, keep=self.generation)
+
+    def describe(self, err: BaseException) -> str:
+        return _scrub(err, self.url)
+
+    def abort(self) -> None:
+        """Every rank is done uploading: what no commit record names goes."""
         try:
-            on_rank_zero(commit, rank=rank, broadcast=partial(broadcast_in_group, group=group))
+            fs, path = storage.filesystem(self.url)
         except Exception:
-            if rank == 0:  # every rank is done uploading: what no commit record names goes
-                _remove_uncommitted(url)
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            return
+        storage.remove_other_generations_than_committed(fs, path, self.url)
 
-
-def _finish_upload(
-    url: str,
-    generation: str,
-    staging: Path,
-    written: list[Any],
-    uploads: dict[str, dict[str, Any] | BaseException],
-    rank: int,
-    unreachable: Exception | None,
-) -> dict[str, Any]:
-    """This rank's part of the commit: each data file's upload digest with its items' CRC-32s and its records
-    digest (on rank 0 also the index, uploaded now), or the error this rank met."""
-    try:
-        if unreachable is not None:
-            raise unreachable
-        fs, path = storage.filesystem(url)
-        prefix = storage.generation_prefix(path, generation)
-        items: dict[str, list[tuple[int, int]]] = {}
-        for info in written:
-            items.setdefault(info.relative_path, []).append((info.offset, info.length))
-        for name in sorted(set(uploads) - set(items)):  # a file torch opened but put no item in: not part of the save
-            storage.remove_object_quietly(fs, f"{prefix}/{name}")
-        uploaded: dict[str, Any] = {}
-        for name, spans in sorted(items.items()):
-            digest = uploads.get(name)
-            if isinstance(digest, BaseException):
-                raise digest
-            if digest is None:  # (torch wrote it other than through create_stream: upload it now)
-                digest = storage.upload_file(fs, staging / name, f"{prefix}/{name}", url)
-            if digest["size"] != (staging / name).stat().st_size:
-                raise OSError(f"the upload of {name!r} sent {digest['size']} bytes of {(staging / name).stat().st_size}")
-            uploaded[name] = {**digest, storage.ITEMS_KEY: storage.item_crcs_of_file(staging / name, spans)}
-        data_files = data_files_written(staging, written)
-        if rank == 0:
-            uploaded[INDEX_FILE] = storage.upload_file(fs, staging / INDEX_FILE, f"{prefix}/{INDEX_FILE}", url)
-        return {"data_files": data_files, "uploaded": uploaded}
-    except Exception as err:
-        return {"error": f"uploading rank {rank}'s part failed: {type(err).__name__}: {_scrub(err, url)}"}
-
-
-def _remove_uncommitted(url: str) -> None:
-    try:
-        fs, path = storage.filesystem(url)
-    except Exception:
-        return
-    storage.remove_other_generations_than_committed(fs, path, url)
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _scrub(err: BaseException, url: str) -> str:
@@ -296,12 +233,6 @@ def _scrub(err: BaseException, url: str) -> str:
     text = str(err).strip()
     line = text.splitlines()[0] if text else type(err).__name__
     return line.replace(url, storage.redact(url))
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -312,9 +243,9 @@ _LOAD_STAGING = re.compile(r"[^'\"\s]*" + re.escape(storage.STAGING_PREFIX) + r"
 
 class StoreFolder:
     """A committed sharded checkpoint on a store, fetched as needed into a local staging folder (removed by
-    :meth:`close`). ``record``: the commit record every rank agreed on (else read here)."""
+    :meth:`close`). ``record()``: the commit record (the one every rank adopted from rank 0's detection)."""
 
-    def __init__(self, url: str, record: storage.Record | None = None) -> None:
+    def __init__(self, url: str, record: Callable[[], storage.Record]) -> None:
         self.url = url
         self.shown = storage.redact(url)
         self._record = record
@@ -327,10 +258,8 @@ class StoreFolder:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _store(self) -> tuple[Any, str, storage.Record]:
-        if self._record is None:
-            self._record = storage.read_committed(self.url, "sharded")[2]
         fs, path = storage.filesystem(self.url)
-        return fs, path, self._record
+        return fs, path, self._record()
 
     def open(self) -> Path:
         """The staging folder with the index and the objects file, each checked against the commit record."""
@@ -340,7 +269,7 @@ class StoreFolder:
                 storage.fetch_to_file(fs, path, record, name, self.url, self.folder / name)
         return self.folder
 
-    def check_binding(self, index: Any, objects: dict[str, Any]) -> None:
+    def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
         """The commit record, the objects file and the index are of one save: the objects file names the
         record's generation as its save, lists every data file the index names, each of the size the record
         says, and the record keeps a CRC-32 for each of the index's items."""

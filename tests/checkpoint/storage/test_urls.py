@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from fabric import Fabric
-from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load, storage
+from fabric.checkpoint.storage import locate
+from fabric.checkpoint.storage import objects as storage
+from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load
 from support.models import stepped_pair
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
@@ -296,7 +298,7 @@ def test_corrupt_record_in_archive_is_caught_by_the_crc_check(memory_url: str) -
     data = bytearray(fs.cat_file(target))
     data[len(data) // 2] ^= 0x01
     fs.pipe_file(target, bytes(data))
-    from fabric.plugins.io.integrity import crc32
+    from fabric.checkpoint.integrity import crc32
 
     record = json.loads(fs.cat_file(path))
     record["objects"][storage.FILE_OBJECT]["crc32"] = crc32(bytes(data))
@@ -306,7 +308,7 @@ def test_corrupt_record_in_archive_is_caught_by_the_crc_check(memory_url: str) -
 
 
 def test_full_checkpoint_of_sharded_objects_to_a_url(empty_cwd: Path, memory_url: str) -> None:
-    from fabric.checkpoint.full_file import save_full
+    from fabric.checkpoint.formats.full import save_full
 
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -363,7 +365,6 @@ def generation_objects(url: str) -> tuple[object, str, list[str]]:
 
 def test_sharded_checkpoint_round_trip_on_a_url(empty_cwd: Path, staging: Path, memory_url: str) -> None:
     from fabric.checkpoint import pipeline
-    from fabric.plugins.io.publish import is_sharded_checkpoint
 
     net, optimizer = sharded_pair(seed=1)
     url = f"{memory_url}/run/sharded"
@@ -371,7 +372,7 @@ def test_sharded_checkpoint_round_trip_on_a_url(empty_cwd: Path, staging: Path, 
     fs, prefix, names = generation_objects(url)
     assert names == [".metadata", "__0_0.distcp", "fabric-objects.pt"]
     assert sorted(entry.rsplit("/", 1)[-1] for entry in fs.ls(prefix, detail=False)) == names
-    assert is_sharded_checkpoint(url) and storage.exists(url)
+    assert locate(url).detect().kind == "sharded" and locate(url).exists()
 
     fabric = cpu_fabric()  # any strategy loads a sharded checkpoint
     fresh, fresh_optimizer = sharded_pair(seed=2)
@@ -388,7 +389,7 @@ def test_sharded_checkpoint_round_trip_on_a_url(empty_cwd: Path, staging: Path, 
 
 
 def test_async_sharded_save_to_a_url_and_a_second_save_replaces_the_generation(empty_cwd: Path, staging: Path, memory_url: str) -> None:
-    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
 
     net, _ = sharded_pair(seed=1)
     url = f"{memory_url}/sharded"
@@ -422,7 +423,7 @@ def test_async_sharded_save_to_a_url_and_a_second_save_replaces_the_generation(e
     ],
 )
 def test_damaged_sharded_object_refused_naming_it_nothing_changed(staging: Path, memory_url: str, damage: str, named: str) -> None:
-    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
 
     net, optimizer = sharded_pair(seed=1)
     url, other = f"{memory_url}/sharded", f"{memory_url}/other"
@@ -461,8 +462,8 @@ def test_a_part_written_as_several_files_uploads_and_fetches_them_at_once(
 ) -> None:
     """A big part is written as up to 4 data files, each uploaded as it is written, fetched in parallel on load;
     one damaged file among them is still refused naming it, nothing changed."""
-    from fabric.checkpoint import sharded_store
-    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+    from fabric.checkpoint.storage import sharded_store
 
     monkeypatch.setattr(sharded_store, "_BYTES_PER_FILE", 32 << 10)
     net, optimizer = sharded_pair(seed=1)
@@ -486,7 +487,7 @@ def test_a_part_written_as_several_files_uploads_and_fetches_them_at_once(
 
 
 def test_sharded_checkpoint_without_its_commit_record_is_not_found(staging: Path, memory_url: str) -> None:
-    from fabric.checkpoint.sharded_folder import save_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
 
     net, _ = sharded_pair(seed=1)
     url = f"{memory_url}/sharded"
@@ -503,7 +504,7 @@ def test_sharded_checkpoint_without_its_commit_record_is_not_found(staging: Path
 def test_a_sharded_save_whose_record_is_never_written_keeps_the_previous(
     staging: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
 
     net, optimizer = sharded_pair(seed=1)
     url = f"{memory_url}/sharded"
@@ -530,25 +531,52 @@ def test_a_sharded_save_whose_record_is_never_written_keeps_the_previous(
 
 
 def test_sharded_checkpoint_on_a_url_is_found_and_removed(staging: Path, memory_url: str) -> None:
-    from fabric.checkpoint.sharded_folder import save_sharded
-    from fabric.plugins.io.publish import is_sharded_checkpoint, resolve_for_load
+    from fabric.checkpoint.formats.sharded import save_sharded
+    from fabric.checkpoint.storage.object_store import ObjectStore
 
     url = f"{memory_url}/sharded"
-    assert not is_sharded_checkpoint(url) and not storage.exists(url)
+    assert locate(url).detect().kind == "missing" and not locate(url).exists()
     save_sharded(url, {"model": sharded_pair(seed=1)[0]})
     atomic_save({"v": torch.ones(2)}, f"{memory_url}/file.pt")
-    assert is_sharded_checkpoint(url) and not is_sharded_checkpoint(f"{memory_url}/file.pt")
-    with pytest.raises(ValueError, match="is a URL"):
-        resolve_for_load(url)  # never looked up as a local path
+    assert locate(url).detect().kind == "sharded" and locate(f"{memory_url}/file.pt").detect().kind == "file"
+    assert isinstance(locate(url), ObjectStore)  # never looked up as a local path
     TorchCheckpointIO().remove_checkpoint(url)
     fs, path = store_of(url)
-    assert not is_sharded_checkpoint(url) and not fs.exists(path) and not fs.exists(f"{path}{storage.DATA_SUFFIX}")
+    assert locate(url).detect().kind == "missing" and not fs.exists(path) and not fs.exists(f"{path}{storage.DATA_SUFFIX}")
+
+
+def test_a_load_from_a_store_reads_the_commit_record_once(staging: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The format is detected from the commit record, and the load reads the checkpoint that record names: one GET of
+    the record per load, for a single file, for ``load_raw`` and for a sharded checkpoint."""
+    from fabric.checkpoint.formats.sharded import save_sharded
+
+    fs, _ = store_of(memory_url)
+    reads: list[str] = []
+    original = type(fs).cat_file
+
+    def cat_file(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if "fabric-tests-" in str(path) and ".fabric/" not in str(path):  # a record, not an object of a generation
+            reads.append(str(path))
+        return original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat_file", cat_file)
+    fabric, net = cpu_fabric(), model()
+    fabric.save(f"{memory_url}/file.pt", {"model": net})
+    atomic_save(net.state_dict(), f"{memory_url}/raw.pt")
+    save_sharded(f"{memory_url}/sharded", {"model": sharded_pair(seed=1)[0]})
+    reads.clear()
+    fabric.load(f"{memory_url}/file.pt", {"model": model()})
+    assert len(reads) == 1
+    fabric.load_raw(f"{memory_url}/raw.pt", model())
+    assert len(reads) == 2
+    fabric.load(f"{memory_url}/sharded", {"model": sharded_pair(seed=2)[0]})
+    assert len(reads) == 3
 
 
 def test_a_growing_upload_sends_what_is_written_as_it_is_written_and_gives_up_cleanly(tmp_path: Path, memory_url: str) -> None:
     """The upload of a staging file while torch writes it: the object gets every byte (digest of the bytes sent),
     a write that fails discards the object, and an upload that fails is reported when the write is done."""
-    from fabric.plugins.io.integrity import crc32
+    from fabric.checkpoint.integrity import crc32
 
     fs, root = store_of(memory_url)
     local = tmp_path / "part"
@@ -576,7 +604,7 @@ def test_a_growing_upload_sends_what_is_written_as_it_is_written_and_gives_up_cl
 
 
 def test_sharded_url_errors_never_show_credentials(staging: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fabric.checkpoint.sharded_folder import load_sharded, save_sharded
+    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
 
     url = f"memory://user:secret-token@{memory_url[len('memory://'):]}/sharded?sig=also-secret"
     save_sharded(url, {"model": sharded_pair(seed=1)[0]})

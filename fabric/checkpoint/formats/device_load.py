@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from fabric.checkpoint.errors import CorruptCheckpointError
-from fabric.plugins.io.integrity import CheckedArchive, crc32, load_checked, mismatch_message
+from fabric.checkpoint.integrity import CheckedArchive, crc32, load_checked, mismatch_message
 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "CudaStaging", "HostStaging", "RingReader", "Staging", "load_staged", "staging_for"]
 

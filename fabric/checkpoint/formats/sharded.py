@@ -3,9 +3,10 @@
 The folder holds ``torch.distributed.checkpoint`` data files and index (tensors only) plus
 ``fabric-objects.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
 entries that are neither modules nor optimizers, and where each tensor belongs (see
-``layout``). It is written into a temporary folder and published whole (``fabric.plugins.io.publish``);
-on a store (a URL) it is written and read through local staging folders and committed by a record
-(``sharded_store``), the same files with the same checks.
+``layout``). Written once for every store: each rank writes its shards where the store's save puts them
+(a temporary folder beside the target, or a staging folder uploaded as it is written), rank 0 writes the
+objects file, which binds the save's files together, and commits (renames, or the commit record); read
+through the store's folder (fetching just the items a rank reads), the same files with the same checks.
 Loading reshards to whatever layout the target objects have: 2 -> 4 processes, sharded -> a plain
 module in one process, and back.
 """
@@ -23,7 +24,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.checkpoint import fit, layout
-from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, on_rank_zero, rank_in_group
+from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, gather_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import (
     SaveHandle,
     background_group,
@@ -32,34 +33,30 @@ from fabric.checkpoint.async_save import (
     wait_for_pending_save,
 )
 from fabric.checkpoint.errors import CheckpointLoadError
-from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
-from fabric.checkpoint.restore import restore
-from fabric.checkpoint.state import collect_states
-from fabric.plugins.io import publish
-from fabric.plugins.io.integrity import crc32
-from fabric.plugins.io.publish import OBJECTS_FILE, atomic_save
-from fabric.plugins.io.safe_reader import (
+from fabric.checkpoint.formats.file import safe_load
+from fabric.checkpoint.formats.shard_reader import (
+    INDEX_FILE,
+    OBJECTS_FILE,
     SafeFileSystemReader,
-    check_data_files_belong,
     check_index_crc,
-    data_files_of,
     first_failure,
     quiet_single_process,
     read_index,
 )
-from fabric.plugins.io.single_file import safe_load
-from fabric.plugins.io.storage import is_url, local_or_url, redact
+from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
+from fabric.checkpoint.restore import restore
+from fabric.checkpoint.state import collect_states
+from fabric.checkpoint.storage import Found, ShardedRead, Store, disk, locate
 
 if TYPE_CHECKING:
-    from fabric.checkpoint.sharded_store import StoreFolder
-    from fabric.plugins.io.safe_reader import Fetch
+    from fabric.checkpoint.formats.shard_reader import Fetch
 
 FORMAT = "fabric-sharded-checkpoint"
 VERSION = 1
 
 
 def save_sharded(
-    path: str | Path,
+    path: str | Path | Store,
     state: dict[str, Any],
     *,
     filter: dict[str, Callable[[str, Any], bool]] | None = None,
@@ -76,179 +73,167 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
-    path = local_or_url(path)  # file://... is the local folder
+    store = locate(path)
     entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, filter)
     kinds = {key: layout.kind_of(obj) for key, obj in state.items()}
     skeleton, tensors, paths = layout.split_tensors(entries, kinds)
     objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
-    write: Callable[..., None]
-    if is_url(path):  # a store: staged locally, uploaded, committed by a record (sharded_store)
-        from fabric.checkpoint.sharded_store import agree_on_generation, save_to_store
-
-        url = str(path)
-        generation = agree_on_generation(url, group=None)
-        write, shown = partial(save_to_store, url, generation, objects=objects), repr(redact(url))
-    else:
-        token = _agree_on_token(path, group=None)
-        write, shown = partial(_write, path, token, objects=objects), repr(str(path))
+    # rank 0 cleans up after crashed saves and names this save; every rank gets the name
+    ticket = on_rank_zero(
+        partial(store.prepare_sharded_save, _files_written()), rank=rank_in_group(), broadcast=broadcast_in_group
+    )
     if async_save:
         staged = {flat: layout.plain_copy(tensor) for flat, tensor in tensors.items()}
         group = background_group()
-        return start_background_save(lambda: write(staged, group=group), shown)
-    write(tensors, group=None)
+        return start_background_save(lambda: _write(store, ticket, staged, objects, group=group), repr(store.shown))
+    _write(store, ticket, tensors, objects, group=None)
     return finished()
 
 
-def _agree_on_token(path: str | Path, group: Any) -> str:
-    """Rank 0 cleans up after crashed saves and names the temporary folder; every rank gets the name."""
-
-    def prepare() -> str:
-        token = publish.new_token()
-        try:
-            publish.prepare_target(path, token, keep=_files_written(group))
-            publish.mark_writer(publish.temp_folder_for(path, token))  # a killed save's folder names its writer
-        except OSError as err:
-            raise OSError(f"Cannot save the sharded checkpoint {str(path)!r}: {type(err).__name__}: {err}") from err
-        return token
-
-    return on_rank_zero(prepare, rank=rank_in_group(group), broadcast=partial(broadcast_in_group, group=group))
-
-
-def _files_written(group: Any) -> frozenset[str]:
-    """The data files a save by this job writes (torch's writer: one per rank), so a reused folder keeps
-    them to be overwritten and drops the rest (its old index, shards of a run with more processes)."""
+def _files_written() -> frozenset[str]:
+    """The data files a save by this job writes into a local folder (torch's writer: one per rank), so a reused
+    folder keeps them to be overwritten and drops the rest (its old index, shards of a run with more processes)."""
     import torch.distributed as dist
 
-    world_size = dist.get_world_size(group) if _distributed() else 1
+    world_size = dist.get_world_size() if _distributed() else 1
     return frozenset({OBJECTS_FILE, *(f"__{rank}_0.distcp" for rank in range(world_size))})
 
 
-def _write(path: str | Path, token: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
-    """Every rank writes its shards; rank 0 adds the objects file and publishes; all learn the outcome."""
+def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
+    """Every rank writes its shards where the store's save puts them; rank 0 gathers every rank's part (or its
+    error), writes the objects file with the binding of the save's files, and commits; all learn the outcome."""
     import torch.distributed.checkpoint as dcp
 
-    temp = publish.temp_folder_for(path, token)
-    failed = f"Saving the sharded checkpoint {str(path)!r} failed; the previous one is kept."
-    shards_error: str | None = None
-    try:
-        with quiet_single_process():
-            dcp.save(
-                tensors,
-                storage_writer=dcp.FileSystemWriter(temp, sync_files=True),
-                process_group=group,
-                no_dist=not _distributed(),
-            )
-    except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
-        shards_error = f"writing the shards failed {first_failure(err)}"
-        # torch's message for a full disk ("unexpected pos 704 vs 598") never names it: look at the free space
-        full = publish.out_of_space(temp, sum(tensor.numel() * tensor.element_size() for tensor in tensors.values()))
-        if full is not None:
-            shards_error = f"{full}; {shards_error}"
-
-    def commit() -> None:
-        if shards_error is not None:
-            raise RuntimeError(f"{failed} {shards_error}")
-        try:
-            # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
-            # CRCs) carries one for it, and binds every data file to this save (name, size, its records' CRCs)
-            index_crc = crc32((temp / publish.INDEX_FILE).read_bytes())
-            data_files = data_files_of(temp, read_index(temp))
-            binding = {"index_crc32": index_crc, "save_id": token, "data_files": data_files}
-            atomic_save({**objects, **binding}, temp / OBJECTS_FILE)
-            publish.commit_folder(temp, path, token)
-        except Exception as err:
-            raise RuntimeError(f"{failed} {type(err).__name__}: {err}") from err
-
+    save = store.sharded_save(ticket)
+    failed = f"Saving the sharded checkpoint {store.shown!r} failed; the previous one is kept."
     rank = rank_in_group(group)
     try:
-        on_rank_zero(commit, rank=rank, broadcast=partial(broadcast_in_group, group=group))
-    except Exception:
-        if rank == 0:
-            publish.remove_quietly(temp)
-        raise
+        nbytes = _local_bytes(tensors)
+        try:
+            writer = save.writer(nbytes)
+            with quiet_single_process():
+                dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
+        except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
+            part: dict[str, Any] = {"error": f"writing the shards failed {first_failure(err)}"}
+            # torch's message for a full disk ("unexpected pos 704 vs 598") never names it: look at the free space
+            full = disk.out_of_space(save.folder, nbytes)
+            if full is not None:
+                part["error"] = f"{full}{save.room_hint}; {part['error']}"
+        else:
+            part = save.part(writer, rank)
+        parts = gather_in_group(part, group)
+
+        def commit() -> None:
+            assert parts is not None
+            errors = [part["error"] for part in parts if "error" in part]
+            if errors:
+                raise RuntimeError(f"{failed} {errors[0]}")
+            try:
+                binding = save.binding(parts)
+                save.commit(lambda file: torch.save({**objects, **binding}, file))
+            except Exception as err:
+                raise RuntimeError(f"{failed} {type(err).__name__}: {save.describe(err)}") from err
+
+        try:
+            on_rank_zero(commit, rank=rank, broadcast=partial(broadcast_in_group, group=group))
+        except Exception:
+            if rank == 0:
+                save.abort()
+            raise
+    finally:
+        save.close()
+
+
+def _local_bytes(tensors: dict[str, Tensor]) -> int:
+    """The bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
+    return sum(_local(tensor).numel() * _local(tensor).element_size() for tensor in tensors.values())
 
 
 def load_sharded(
-    path: str | Path,
+    path: str | Path | Store,
     state: dict[str, Any] | None = None,
     strict: bool = True,
     weights_only: bool | None = None,
+    found: Found | None = None,
 ) -> dict[str, Any]:
-    """Restore ``state`` in place from a sharded folder or a full checkpoint file; return what was not asked for.
+    """Restore ``state`` in place from a sharded checkpoint (or a full checkpoint file); return what was not asked for.
 
     Works for any number of processes and any layout of the target objects. Everything is checked and
     read (into new storage) on every rank before any rank changes anything (``restore``). Without
-    ``state`` the whole checkpoint is returned with full tensors.
+    ``state`` the whole checkpoint is returned with full tensors. ``found``: what the location holds, as
+    every rank agreed (``Store.detect`` on rank 0), else detected here.
     """
     wait_for_pending_save()
-    path = local_or_url(path)  # file://... is the local folder
-    if is_url(path):
-        return _load_from_store(str(path), state, strict, weights_only)
-    if Path(path).is_file():
-        from fabric.checkpoint.full_file import load_full
+    store = locate(path)
+    if found is None and isinstance(state, dict):  # a collective: every rank reads what rank 0 found (one checkpoint for all)
+        found = on_rank_zero(store.detect, rank=rank_in_group(), broadcast=broadcast_in_group, origin="Rank 0 could not open the checkpoint")
+    elif found is None:
+        found = store.detect()
+    store.adopt(found)
+    if found.kind in ("file", "missing"):
+        from fabric.checkpoint.formats.full import load_full
 
-        return load_full(path, state, strict=strict, weights_only=weights_only)
-    from fabric.checkpoint.lightning_folder import is_lightning_folder
+        return load_full(store, state, strict=strict, weights_only=weights_only)
+    if found.kind == "lightning":  # Lightning Fabric's layout: read whole, then loaded as a full file is
+        from fabric.checkpoint.formats.full import FullFile
+        from fabric.checkpoint.formats.lightning import read_lightning_folder
 
-    if is_lightning_folder(path):  # Lightning Fabric's layout: read whole, then loaded as a full file is
-        from fabric.checkpoint.full_file import FullFile
-        from fabric.checkpoint.lightning_folder import read_lightning_folder
-
+        folder = store.sharded_read().open()  # (a local folder: Lightning Fabric never wrote to a store)
         if state is None:
-            return read_lightning_folder(path, weights_only)
+            return read_lightning_folder(folder, weights_only)
         if not isinstance(state, dict):
-            raise TypeError(f"Loading the sharded checkpoint {str(path)!r} needs a dict of states, got a {type(state).__name__}")
-        source = FullFile(path, state, weights_only, read_file=lambda: read_lightning_folder(path, weights_only))
+            raise TypeError(f"Loading the sharded checkpoint {store.shown!r} needs a dict of states, got a {type(state).__name__}")
+        source = FullFile(store, state, weights_only, read_file=lambda: read_lightning_folder(folder, weights_only))
         return restore(source, state, strict=strict, agree=agree_in_group)
-    return _load_folder(path, state, strict, weights_only)
-
-
-def _load_folder(
-    path: str | Path, state: dict[str, Any] | None, strict: bool, weights_only: bool | None, store: StoreFolder | None = None
-) -> dict[str, Any]:
-    if state is None:
-        folder = ShardedFolder(path, {}, weights_only, store=store)
-        return read_full(folder.folder, folder.objects, folder.index, keys=list(folder.keys()), fetch=folder.fetch)
-    if not isinstance(state, dict):
-        raise TypeError(
-            f"Loading the sharded checkpoint {str(path)!r} needs a dict of states such as"
-            f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
-        )
-    folder = ShardedFolder(path, state, weights_only, agreed=True, store=store)
+    if found.kind == "folder":
+        raise CheckpointLoadError(incomplete_folder(store.sharded_read().open()))
+    reading = store.sharded_read()
     try:
-        return restore(folder, state, strict=strict, agree=agree_in_group)
-    except BaseException:
-        folder.undo_state_init()
-        raise
-
-
-def _load_from_store(url: str, state: dict[str, Any] | None, strict: bool, weights_only: bool | None) -> dict[str, Any]:
-    """A sharded checkpoint committed on a store, loaded through a local staging folder (``sharded_store``)."""
-    from fabric.checkpoint.sharded_store import StoreFolder, agree_on_record
-
-    # a load into objects is a collective: every rank reads the generation rank 0 found (one checkpoint for all)
-    record = agree_on_record(url) if state is not None else None
-    store = StoreFolder(url, record)
-    try:
-        with store.naming():
-            return _load_folder(store.shown, state, strict, weights_only, store)
+        with reading.naming():
+            if state is None:
+                whole = ShardedFolder(reading, {}, weights_only)
+                return read_full(whole.folder, whole.objects, whole.index, keys=list(whole.keys()), fetch=whole.fetch)
+            if not isinstance(state, dict):
+                raise TypeError(
+                    f"Loading the sharded checkpoint {store.shown!r} needs a dict of states such as"
+                    f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
+                )
+            shards = ShardedFolder(reading, state, weights_only, agreed=True)
+            try:
+                return restore(shards, state, strict=strict, agree=agree_in_group)
+            except BaseException:
+                shards.undo_state_init()
+                raise
     finally:
-        store.close()
+        reading.close()
+
+
+def incomplete_folder(folder: Path) -> str:
+    """Why ``folder`` (not a complete sharded checkpoint) cannot be loaded, naming what it lacks."""
+    if not any(folder.iterdir()):
+        return f"Checkpoint path {str(folder)!r} is an empty folder, not a checkpoint"
+    for name in (INDEX_FILE, OBJECTS_FILE):
+        kind = disk.special_kind(folder / name) if (folder / name).is_symlink() else None
+        if kind is not None:
+            return f"{str(folder)!r} is a sharded checkpoint folder whose {name} is {kind}; it cannot be read"
+    lacking = [name for name in (INDEX_FILE, OBJECTS_FILE) if not (folder / name).is_file()]
+    return (
+        f"{str(folder)!r} is a folder but not a complete sharded checkpoint: it has no {' and no '.join(lacking)}"
+        " (a copy that stopped early, or files deleted since); load a complete checkpoint"
+    )
 
 
 class ShardedFolder:
     """A folder of shards as an ``EntrySource``: checks from its index alone, reads into new storage of the
     target's layout (any number of processes), hands the values to torch's distributed state-dict API."""
 
-    def __init__(
-        self, path: str | Path, state: dict[str, Any], weights_only: bool | None, agreed: bool = False, store: StoreFolder | None = None
-    ) -> None:
-        """``agreed``: opened inside the load walk's first agreement (``restore``), so the ranks can share
-        the checks of the data files' digests (any rank's refusal reaches every rank). ``store``: the
-        checkpoint is on a store (``path`` is then its URL as messages show it), fetched as it is read."""
-        self.path = path
-        self._store = store
-        self.fetch: Fetch | None = store.fetch if store is not None else None
+    def __init__(self, reading: ShardedRead, state: dict[str, Any], weights_only: bool | None, agreed: bool = False) -> None:
+        """``reading``: the checkpoint as its store opens it (a local folder, or a staging folder its items are
+        fetched into as they are read). ``agreed``: opened inside the load walk's first agreement (``restore``),
+        so the ranks can share the checks of the data files' digests (any rank's refusal reaches every rank)."""
+        self.path = reading.shown
+        self._reading = reading
+        self.fetch: Fetch | None = reading.fetch
         self._agreed = agreed
         self._state = state
         self._weights_only = weights_only
@@ -258,15 +243,11 @@ class ShardedFolder:
 
     def _open(self) -> tuple[Path, dict[str, Any], Any]:
         if self._opened is None:
-            folder = self._store.open() if self._store is not None else publish.resolve_for_load(self.path)
+            folder = self._reading.open()
             objects = read_objects(folder, self._weights_only)
             check_index_crc(folder, objects.get("index_crc32"))
             index = read_index(folder)
-            if self._store is not None:  # the data files are fetched as they are read, each checked then
-                self._store.check_binding(index, objects)
-            else:
-                share = _rank_and_world_size() if self._agreed else None
-                check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
+            self._reading.check_binding(folder, index, objects, _rank_and_world_size() if self._agreed else None)
             self._opened = (folder, objects, index)
         return self._opened
 

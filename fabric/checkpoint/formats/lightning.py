@@ -23,21 +23,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from fabric.checkpoint.errors import CheckpointLoadError, UnsafeCheckpointError
-from fabric.plugins.io.publish import INDEX_FILE, OBJECTS_FILE
-from fabric.plugins.io.single_file import _weights_only_reason, safe_load
-
-LIGHTNING_META_FILE = "meta.pt"  # Lightning's file of non-tensor entries beside the shards
-
-
-def is_lightning_folder(path: str | Path) -> bool:
-    """Whether ``path`` is a sharded checkpoint folder in Lightning Fabric's layout (and not one of ours)."""
-    folder = Path(path)
-    return (
-        folder.is_dir()
-        and (folder / INDEX_FILE).is_file()
-        and (folder / LIGHTNING_META_FILE).is_file()
-        and not (folder / OBJECTS_FILE).is_file()
-    )
+from fabric.checkpoint.formats.file import _weights_only_reason, safe_load
+from fabric.checkpoint.formats.shard_reader import LIGHTNING_META_FILE
 
 
 def read_lightning_folder(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -45,7 +32,7 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from fabric.plugins.io.safe_reader import SafeFileSystemReader, check_data_files, first_failure, quiet_single_process, read_index
+    from fabric.checkpoint.formats.shard_reader import SafeFileSystemReader, check_data_files, first_failure, quiet_single_process, read_index
 
     folder = Path(path)
     index = read_index(folder)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from fabric import Fabric
-from fabric.plugins.io import storage
+from fabric.checkpoint.storage import objects as storage
 from support.environment import job_environment
 from support.loading import load_script, script_path
 

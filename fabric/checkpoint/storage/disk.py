@@ -31,34 +31,31 @@ import secrets
 import shutil
 import stat
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import IO, Any, TypeVar
 
 from fabric._core.processes import process_alive
-from fabric.plugins.io.storage import is_url, local_or_url
+from fabric.checkpoint.formats.shard_reader import INDEX_FILE, LIGHTNING_META_FILE, OBJECTS_FILE
+from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave
+
+T = TypeVar("T")
 
 _TEMP_PREFIX = ".fabric-tmp-"
 
 
-def atomic_save(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj, path)`` that never leaves a torn file at ``path``, and is durable when it returns.
+def atomic_write(path: Path, produce: Callable[[IO[bytes]], None]) -> None:
+    """``produce(file)`` becomes the file ``path``, never torn, and durable when this returns.
 
     Parent folders are created. A crash at any moment leaves the old file (or none) at ``path``; the
     temporary file it may leave behind starts with ``.fabric-tmp-`` and is removed by the next save.
 
-    Durability costs a flush of the whole file to disk. Most of it is hidden: while ``torch.save``
-    serializes, every finished stretch of the file is handed to the kernel for writeback at once
-    (``sync_file_range``), so the disk works in parallel with the serialization and the final
-    ``fdatasync`` only waits for the last few megabytes.
+    Durability costs a flush of the whole file to disk. Most of it is hidden: while ``produce`` writes
+    (``torch.save`` serializing), every finished stretch of the file is handed to the kernel for writeback at
+    once (``sync_file_range``), so the disk works in parallel and the final ``fdatasync`` only waits for the
+    last few megabytes. An error of ``produce`` other than a write error reaches the caller unchanged.
     """
-    if is_url(path):  # a store without rename: objects first, then the commit record (storage.py)
-        from fabric.plugins.io.storage import save_file
-
-        save_file(obj, str(path))
-        return
-    path = Path(path)
     _check_target(path)
     _check_parents(path)
     folder = path.parent
@@ -75,7 +72,7 @@ def atomic_save(obj: Any, path: str | Path) -> None:
     try:
         with os.fdopen(fd, "wb", buffering=_WRITE_BUFFER) as file:
             writer = _EarlyWriteback(file)
-            torch.save(obj, writer)  # type: ignore[arg-type]
+            produce(writer)  # type: ignore[arg-type]
             writer.finish()
         _keep_mode_of(path, temp_name)
         os.replace(temp_name, path)
@@ -89,20 +86,157 @@ def atomic_save(obj: Any, path: str | Path) -> None:
             # the user knows the target, not our hidden temporary file: name the target
             raise OSError(write_error.errno, f"Could not save the checkpoint {str(path)!r}: {write_error.strerror}"
                           " (the previous file, if any, is unchanged)") from err
-        if _is_pickling_error(err):
-            raise TypeError(
-                f"Could not save the checkpoint {str(path)!r}: the state holds an object that cannot be saved ({err})."
-                " Save plain values, tensors and state_dict()s instead; the previous file, if any, is unchanged"
-            ) from err
         raise
     fsync_folder(folder)
 
 
-def _is_pickling_error(err: BaseException) -> bool:
-    """torch.save meeting an object pickle cannot handle (a lock, a lambda, an open file)."""
-    import pickle
+class DiskStore:
+    """Checkpoints on the local disk (or a shared file system): a file published by rename, a folder of shards
+    published by renames beside the target (module docstring)."""
 
-    return isinstance(err, pickle.PicklingError) or (isinstance(err, (TypeError, AttributeError)) and "pickle" in str(err))
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.shown = str(path)
+
+    def __repr__(self) -> str:
+        return f"DiskStore({self.shown!r})"
+
+    def detect(self) -> Found:
+        check_loadable(self.path)
+        try:
+            folder = resolve_for_load(self.path)
+        except FileNotFoundError:
+            return Found("missing")
+        if not folder.is_dir():
+            return Found("file")
+        if not (folder / INDEX_FILE).is_file():
+            return Found("folder")
+        lightning = (folder / LIGHTNING_META_FILE).is_file() and not (folder / OBJECTS_FILE).is_file()
+        return Found("lightning" if lightning else "sharded")
+
+    def adopt(self, found: Found) -> None:
+        pass  # the disk keeps nothing between the detection and the read
+
+    def exists(self) -> bool:
+        return _exists(self.path)
+
+    def is_folder(self) -> bool:
+        return self.path.is_dir()
+
+    def before_save(self) -> None:
+        remove_abandoned_once(self.path)
+
+    def before_load(self) -> None:
+        remove_abandoned(self.path)  # (what the path is, a FIFO that would block a read, is detect's to refuse)
+
+    def write_file(self, produce: Callable[[IO[bytes]], None], replace_folder: bool = False) -> None:
+        if not (replace_folder and self.path.is_dir()):
+            atomic_write(self.path, produce)
+            return
+        # a sharded checkpoint folder is replaced by a file: the same publish-by-renames as for folders
+        prepare_target(self.path)
+        token = new_token()
+        temp = temp_folder_for(self.path, token)
+        try:
+            atomic_write(temp, produce)
+            commit_folder(temp, self.path, token)
+        except BaseException:
+            remove_quietly(temp)
+            raise
+
+    def read_file(self, load: Callable[[int, int, str], T]) -> T:
+        check_loadable(self.path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {self.shown!r}")
+        if self.path.is_dir():
+            raise IsADirectoryError(f"Checkpoint path {self.shown!r} is a folder, not a file")
+        with open(self.path, "rb", buffering=0) as file:
+            return load(file.fileno(), os.fstat(file.fileno()).st_size, self.shown)
+
+    def remove(self) -> None:
+        if self.path.is_dir():
+            shutil.rmtree(self.path)
+        elif self.path.exists():
+            self.path.unlink()
+
+    def prepare_sharded_save(self, files_written: frozenset[str]) -> str:
+        token = new_token()
+        try:
+            prepare_target(self.path, token, keep=files_written)
+            mark_writer(temp_folder_for(self.path, token))  # a killed save's folder names its writer
+        except OSError as err:
+            raise OSError(f"Cannot save the sharded checkpoint {self.shown!r}: {type(err).__name__}: {err}") from err
+        return token
+
+    def sharded_save(self, ticket: str) -> ShardedSave:
+        return _FolderSave(self.path, ticket)
+
+    def sharded_read(self) -> ShardedRead:
+        return _FolderRead(self.path)
+
+
+class _FolderSave:
+    """A sharded save into the temporary folder beside the target, published by renames (rank 0)."""
+
+    room_hint = ""
+
+    def __init__(self, path: Path, token: str) -> None:
+        self.path, self.token = path, token
+        self.folder = temp_folder_for(path, token)
+
+    def writer(self, nbytes: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemWriter(self.folder, sync_files=True)
+
+    def part(self, writer: Any, rank: int) -> dict[str, Any]:
+        return {}  # rank 0 reads every rank's files from the folder they share
+
+    def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        from fabric.checkpoint.formats.shard_reader import data_files_of, read_index
+        from fabric.checkpoint.integrity import crc32
+
+        # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
+        # CRCs) carries one for it, and binds every data file to this save (name, size, its records' CRCs)
+        index_crc = crc32((self.folder / INDEX_FILE).read_bytes())
+        return {"index_crc32": index_crc, "save_id": self.token, "data_files": data_files_of(self.folder, read_index(self.folder))}
+
+    def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
+        atomic_write(self.folder / OBJECTS_FILE, write_objects)
+        commit_folder(self.folder, self.path, self.token)
+
+    def describe(self, err: BaseException) -> str:
+        return str(err)
+
+    def abort(self) -> None:
+        remove_quietly(self.folder)
+
+    def close(self) -> None:
+        pass
+
+
+class _FolderRead:
+    """A sharded checkpoint folder on the disk (or the previous one a save cut mid-commit left aside)."""
+
+    fetch = None
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.shown = str(path)
+
+    def open(self) -> Path:
+        return resolve_for_load(self.path)
+
+    def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
+        from fabric.checkpoint.formats.shard_reader import check_data_files_belong
+
+        check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
+
+    def naming(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def close(self) -> None:
+        pass
 
 
 def _check_parents(path: Path) -> None:
@@ -349,8 +483,6 @@ TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"
 ASIDE_PREFIX = ".fabric-old-"
 SPARE_PREFIX = ".fabric-spare-"
 WRITER_FILE = ".fabric-writer"  # in a temporary or aside folder: "host pid" of the save's rank 0, never published
-INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
-OBJECTS_FILE = "fabric-objects.pt"  # fabric's file beside the shards: every entry but their tensors, and the index's CRC
 _TOKEN_BYTES = 6
 
 
@@ -412,8 +544,6 @@ def remove_abandoned(path: str | Path) -> list[Path]:
     other is left (a save in progress, another host's, one without a record, an aside that is the previous
     checkpoint). Also the single-file temporary files of ``path``'s dead writers (those of other names are
     left: their names carry a pid but no host). Never raises; returns what it removed."""
-    if is_url(path):
-        return []
     path = Path(path)
     folder = path.parent
     removed: list[Path] = []
@@ -441,8 +571,6 @@ _swept: set[Path] = set()
 def remove_abandoned_once(path: str | Path) -> None:
     """:func:`remove_abandoned` for the folder of ``path``, the first time this process saves there (the start
     of a job, for the folders it writes to); a load always does it."""
-    if is_url(path):
-        return
     folder = Path(os.path.abspath(Path(path).parent))
     if folder not in _swept:
         _swept.add(folder)
@@ -500,38 +628,14 @@ def commit_folder(temp: Path, path: str | Path, token: str) -> None:
 
 
 def resolve_for_load(path: str | Path) -> Path:
-    """``path`` if it exists, else the previous checkpoint a save cut mid-commit left aside.
-
-    Local folders only: a checkpoint on a store has no aside copy, its commit record names what is loaded
-    (``storage.read_committed``), so a URL is refused here rather than looked up as a local path."""
-    if is_url(path):
-        from fabric.plugins.io.storage import redact
-
-        raise ValueError(
-            f"{redact(str(path))!r} is a URL: a checkpoint on a store is found through its commit record, not on the local disk"
-        )
-    path = Path(local_or_url(path))
+    """``path`` if it exists, else the previous checkpoint a save cut mid-commit left aside."""
+    path = Path(path)
     if _exists(path):
         return path
     asides = _siblings(path, ASIDE_PREFIX)
     if asides:
         return max(asides, key=lambda aside: aside.stat().st_mtime)
     raise FileNotFoundError(f"Checkpoint not found: {str(path)!r}")
-
-
-def is_sharded_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` (or the previous checkpoint a cut save left aside) is a sharded checkpoint folder; for a
-    URL, whether the store holds the commit record of a sharded checkpoint there."""
-    path = local_or_url(path)
-    if is_url(path):
-        from fabric.plugins.io.storage import is_sharded
-
-        return is_sharded(str(path))
-    try:
-        folder = resolve_for_load(path)
-    except FileNotFoundError:
-        return False
-    return folder.is_dir() and (folder / INDEX_FILE).is_file()
 
 
 def remove_quietly(path: Path) -> None:

@@ -19,13 +19,12 @@ from torch.optim import Optimizer
 from fabric.checkpoint import fit, layout
 from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import wait_for_pending_save
+from fabric.checkpoint.formats.file import safe_load, save_file
 from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
 from fabric.checkpoint.restore import WholeFile, restore
 from fabric.checkpoint.state import collect_states
-from fabric.plugins.io import CheckpointIO, publish
-from fabric.plugins.io.publish import atomic_save
-from fabric.plugins.io.single_file import safe_load
-from fabric.plugins.io.storage import is_url
+from fabric.checkpoint.storage import Store, locate
+from fabric.plugins.io import CheckpointIO
 
 
 def save_full(
@@ -43,6 +42,7 @@ def save_full(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
+    store = locate(path)
     entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True)), state, filter)
 
     def write() -> None:  # rank 0 holds the full tensors (cpu_offload): it alone writes
@@ -51,35 +51,18 @@ def save_full(
             for key, value in entries.items()
         }
         try:
-            _write_file(checkpoint, path if is_url(path) else Path(path), checkpoint_io)
+            if checkpoint_io is None or store.is_folder():
+                save_file(store, checkpoint, replace_folder=True)
+            else:
+                checkpoint_io.save_checkpoint(checkpoint, path)
         except Exception as err:
-            raise RuntimeError(f"Saving the full checkpoint {str(path)!r} failed; the previous one is kept. {type(err).__name__}: {err}") from err
+            raise RuntimeError(f"Saving the full checkpoint {store.shown!r} failed; the previous one is kept. {type(err).__name__}: {err}") from err
 
     on_rank_zero(write, rank=rank_in_group(), broadcast=broadcast_in_group)
 
 
-def _write_file(checkpoint: dict[str, Any], path: str | Path, checkpoint_io: CheckpointIO | None) -> None:
-    if is_url(path) or not Path(path).is_dir():
-        if checkpoint_io is None:
-            atomic_save(checkpoint, path)
-        else:
-            checkpoint_io.save_checkpoint(checkpoint, path)
-        return
-    # a sharded checkpoint folder is replaced by a file: the same publish-by-renames as for folders
-    path = Path(path)
-    publish.prepare_target(path)
-    token = publish.new_token()
-    temp = publish.temp_folder_for(path, token)
-    try:
-        atomic_save(checkpoint, temp)
-        publish.commit_folder(temp, path, token)
-    except BaseException:
-        publish.remove_quietly(temp)
-        raise
-
-
 def load_full(
-    path: str | Path,
+    path: str | Path | Store,
     state: dict[str, Any] | None,
     strict: bool = True,
     weights_only: bool | None = None,
@@ -96,13 +79,14 @@ class FullFile(WholeFile):
 
     def __init__(
         self,
-        path: str | Path,
+        path: str | Path | Store,
         state: dict[str, Any],
         weights_only: bool | None,
         read_file: Callable[[], Any] | None = None,
     ) -> None:
         """``read_file``: what reads the whole checkpoint (default: the file at ``path``, safely)."""
-        super().__init__(path, read_file or (lambda: safe_load(path, map_location="cpu", weights_only=weights_only)))
+        store = locate(path)
+        super().__init__(store.shown, read_file or (lambda: safe_load(store, map_location="cpu", weights_only=weights_only)))
         self._state = state
         self._named: dict[str, Any] = {}  # optimizer entries renamed after this job's parameter names
 

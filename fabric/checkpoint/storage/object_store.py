@@ -1,0 +1,130 @@
+"""Checkpoints on an object store (any fsspec URL): the ``Store`` whose saves are committed by a record.
+
+Every object of a save goes under a new generation prefix beside the target, then the commit record is
+written at the target itself, last (``objects``: the record, generations, checked uploads and fetches); a
+sharded save is staged locally and uploaded as it is written (``sharded_store``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import IO, Any, TypeVar
+
+from fabric.checkpoint.errors import CommitRecordError, is_pickling_error
+from fabric.checkpoint.storage.objects import (
+    FILE_OBJECT,
+    Record,
+    fetch_object,
+    filesystem,
+    generation_prefix,
+    new_generation,
+    read_record,
+    redact,
+    remove_other_generations,
+    remove_other_generations_than_committed,
+    write_object,
+    write_record,
+)
+from fabric.checkpoint.storage.sharded_store import StoreFolder, StoreSave
+from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave
+
+T = TypeVar("T")
+
+
+class ObjectStore:
+    """Checkpoints on an object store (any fsspec URL): every object of a save under a new generation, the commit
+    record written last (module docstring). Reads go through the record: the one ``detect`` read, when it ran."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.shown = redact(url)
+        self._record: Record | None = None
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.shown!r})"
+
+    def _filesystem(self) -> tuple[Any, str]:
+        return filesystem(self.url)
+
+    def detect(self) -> Found:
+        fs, path = self._filesystem()
+        try:
+            record = read_record(fs, path, self.url)
+        except FileNotFoundError:
+            return Found("missing")
+        return Found("sharded" if record.kind == "sharded" else "file", record)
+
+    def adopt(self, found: Found) -> None:
+        self._record = found.record
+
+    def record(self, kind: str) -> Record:
+        """The commit record (the one adopted, else read now), checked to be of ``kind``."""
+        if self._record is None:
+            fs, path = self._filesystem()
+            self._record = read_record(fs, path, self.url)
+        if self._record.kind != kind:
+            raise CommitRecordError(f"{self.shown!r} is a {self._record.kind} checkpoint, not a {kind} one")
+        return self._record
+
+    def exists(self) -> bool:
+        fs, path = self._filesystem()
+        return bool(fs.exists(path))
+
+    def is_folder(self) -> bool:
+        return False  # a store's checkpoint is its commit record, one object
+
+    def before_save(self) -> None:
+        pass  # a cut save's objects are removed by the next save's clean-up
+
+    def before_load(self) -> None:
+        pass  # a store has no FIFOs, and a cut save's objects are not loaded (no record names them)
+
+    def write_file(self, produce: Callable[[IO[bytes]], None], replace_folder: bool = False) -> None:
+        fs, path = self._filesystem()
+        generation = new_generation()
+        try:
+            digest = write_object(fs, f"{generation_prefix(path, generation)}/{FILE_OBJECT}", produce, self.url)
+            write_record(fs, path, Record("file", generation, {FILE_OBJECT: digest}))
+        except BaseException as err:
+            remove_other_generations_than_committed(fs, path, self.url)
+            if isinstance(err, Exception) and not isinstance(err, (TypeError, ValueError)) and not is_pickling_error(err):
+                raise OSError(
+                    f"Could not save the checkpoint {self.shown!r}: {type(err).__name__}: {_first_line(err)}"
+                    " (the previous checkpoint, if any, is unchanged)"
+                ) from err
+            raise
+        remove_other_generations(fs, path, keep=generation)
+
+    def read_file(self, load: Callable[[int, int, str], T]) -> T:
+        record = self.record("file")
+        fs, path = self._filesystem()
+        fd = fetch_object(fs, path, record, FILE_OBJECT, self.url)
+        try:
+            return load(fd, record.objects[FILE_OBJECT]["size"], self.shown)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        """The commit record first (it stops being a checkpoint), then its objects."""
+        fs, path = self._filesystem()
+        try:
+            fs.rm(path)
+        except FileNotFoundError:
+            pass
+        remove_other_generations(fs, path, keep=None)
+
+    def prepare_sharded_save(self, files_written: frozenset[str]) -> str:
+        self._filesystem()  # the scheme and the library, checked on rank 0 before any rank writes
+        return new_generation()
+
+    def sharded_save(self, ticket: str) -> ShardedSave:
+        return StoreSave(self.url, ticket)
+
+    def sharded_read(self) -> ShardedRead:
+        return StoreFolder(self.url, lambda: self.record("sharded"))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,126 @@
+"""The one storage protocol the checkpoint formats write to and read from, and ``locate``: a user's path made a store.
+
+Two implementations: the local disk (``disk.DiskStore``: a temporary name, fsync, rename) and an object store
+reached through fsspec (``object_store.ObjectStore``: every object of a save under a new generation prefix, the
+commit record written last). A format never asks which one it has: it writes a file or a folder of shards
+through the store's transactions, and reads through the store's checked reads.
+
+``detect`` says what the location holds (``Found``); a collective load runs it on rank 0 only and every rank
+adopts rank 0's answer (``adopt``), so no rank decides alone and a store's commit record is read once per load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from fabric.checkpoint.formats.shard_reader import Fetch
+
+T = TypeVar("T")
+
+#: What a location holds: nothing, one checkpoint file, a sharded checkpoint (ours, or Lightning Fabric's
+#: folder layout), or a folder that is no complete sharded checkpoint.
+Kind = Literal["missing", "file", "sharded", "lightning", "folder"]
+
+
+@dataclass(frozen=True)
+class Found:
+    """What ``Store.detect`` found (picklable: rank 0 sends it to every rank). ``record``: an object store's
+    commit record, so the ranks that adopt it read the checkpoint rank 0 found, without reading the record again."""
+
+    kind: Kind
+    record: Any = None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A checkpoint's location: the local disk or an object store."""
+
+    #: how every message names the location (a URL without its credentials)
+    shown: str
+
+    def detect(self) -> Found:
+        """What the location holds; raises for what cannot be read safely (a FIFO, a device, a loop of links)."""
+
+    def adopt(self, found: Found) -> None: ...
+
+    def exists(self) -> bool: ...
+
+    def is_folder(self) -> bool: ...
+
+    def before_save(self) -> None:
+        """Clean up once per process what killed saves of this location's folder left (never raises)."""
+
+    def before_load(self) -> None:
+        """Clean up what killed saves left (never raises); ``detect`` and ``read_file`` refuse what cannot be opened
+        safely (a FIFO would block a read forever)."""
+
+    def write_file(self, produce: Callable[[IO[bytes]], None], replace_folder: bool = False) -> None:
+        """``produce(file)`` becomes the checkpoint file here, atomically: the previous checkpoint, whole, until it
+        returns. ``replace_folder``: a sharded checkpoint folder here is replaced too (a full save over a sharded one)."""
+
+    def read_file(self, load: Callable[[int, int, str], T]) -> T:
+        """``load(fd, size, shown)`` over the checkpoint file here, its bytes checked by the store where it keeps
+        a checksum of them (an object store's commit record)."""
+
+    def remove(self) -> None: ...
+
+    def prepare_sharded_save(self, files_written: frozenset[str]) -> str:
+        """Rank 0, before a sharded save: clean up and name the save (a ticket every rank passes to :meth:`sharded_save`)."""
+
+    def sharded_save(self, ticket: str) -> ShardedSave: ...
+
+    def sharded_read(self) -> ShardedRead: ...
+
+
+class ShardedSave(Protocol):
+    """One rank's side of one sharded save: ``folder`` is where torch's writer puts this rank's shards."""
+
+    folder: Path
+    #: said after a local-disk error of the staging folder (where to find room)
+    room_hint: str
+
+    def writer(self, nbytes: int) -> Any:
+        """torch's storage writer for this rank's ``nbytes`` of shards."""
+
+    def part(self, writer: Any, rank: int) -> dict[str, Any]:
+        """This rank's part of the commit, once its shards are written (or ``{"error": ...}``)."""
+
+    def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0: what the objects file records to bind the save's files (index CRC, save id, data files)."""
+
+    def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
+        """Rank 0: write the objects file, then make the save the checkpoint (renames, or the commit record)."""
+
+    def describe(self, err: BaseException) -> str:
+        """``err``'s message as the save's error repeats it (on a store: its first line, the URL without secrets)."""
+
+    def abort(self) -> None:
+        """Rank 0, after a failed save: remove what it wrote (never raises)."""
+
+    def close(self) -> None:
+        """Every rank: remove this rank's staging (never raises)."""
+
+
+class ShardedRead(Protocol):
+    """A sharded checkpoint opened for reading: a local folder with its index and objects file; ``fetch`` brings
+    the items a read needs into it (None: the folder holds every file already)."""
+
+    shown: str
+
+    @property
+    def fetch(self) -> Fetch | None: ...
+
+    def open(self) -> Path: ...
+
+    def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
+        """The index, the objects file and the data files are of one save, checked before anything is read."""
+
+    def naming(self) -> AbstractContextManager[None]:
+        """Errors of the local checks name the checkpoint, not a staging folder."""
+
+    def close(self) -> None: ...
