@@ -28,7 +28,7 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool 
     from fabric.checkpoint.storage import locate
 
     # a URL (s3://...) names a store, checked here (unknown scheme, missing library) before anything is read
-    source, target = locate(checkpoint_dir), locate(out)
+    source, target = locate(checkpoint_dir), locate(out, writing="write OUT.pt")
     found = source.detect()
     if found.kind not in ("sharded", "lightning"):
         what = "does not exist" if found.kind == "missing" else "is not a sharded checkpoint folder"

@@ -264,6 +264,77 @@ def test_load_into_a_model_of_another_shape(checkpoint):
     assert checkpoint.read_bytes() == data
 
 
+@pytest.fixture(params=["single file", "full file", "sharded folder"])
+def any_format(request, tmp_path) -> Path:
+    """The same checkpoint in each format, all written in this process (see ``_load_any``)."""
+    from fabric.checkpoint.formats.full import save_full
+    from fabric.checkpoint.formats.sharded import save_sharded
+
+    model, optimizer = trained_pair(seed=1)
+    state = {"model": model, "optimizer": optimizer, "step": 3, "name": "run-a", "stats": {"mean": torch.ones(2)}}
+    path = tmp_path / request.param.replace(" ", "_")
+    if request.param == "single file":
+        cpu_fabric().save(path, state)
+    elif request.param == "full file":
+        save_full(path, state)
+    else:
+        save_sharded(path, state)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("key", "given", "needs"),
+    [
+        ("model", "not a module", "holds a module's state dict under that key, which loads into a torch.nn.Module"),
+        ("optimizer", 5, "holds an optimizer's state dict under that key, which loads into a torch.optim.Optimizer"),
+        ("model", torch.zeros(2), "holds a module's state dict under that key, which loads into a torch.nn.Module"),
+    ],
+    ids=["str-for-a-module", "int-for-an-optimizer", "tensor-for-a-module"],
+)
+def test_load_into_a_value_that_is_not_what_the_entry_needs(any_format, key, given, needs):
+    """A str, an int or a tensor where the checkpoint holds a module's or an optimizer's state: refused, naming the
+    key, the type given and what the entry needs, before anything changes (Lightning Fabric replaced the value)."""
+    from fabric.checkpoint.errors import CheckpointMismatchError
+
+    model, optimizer = trained_pair(seed=5)
+    before, data = snapshot(model, optimizer), _bytes_of(any_format)
+    state = {"model": model, "optimizer": optimizer, "step": 0, key: given}
+    with pytest.raises(CheckpointMismatchError) as info:
+        _load_any(any_format, state)
+    message = str(info.value)
+    assert f"state[{key!r}] is a {type(given).__name__}" in message and needs in message, message
+    assert isinstance(info.value, (TypeError, KeyError, ValueError))
+    assert state[key] is given and state["step"] == 0
+    assert_unchanged(model, optimizer, before)
+    assert _bytes_of(any_format) == data
+
+
+def test_plain_values_are_still_replaced_by_plain_entries(any_format):
+    """Ints, strings and a plain dict of tensors (given as a dict or None) take the saved value, as in Lightning Fabric."""
+    model, optimizer = trained_pair(seed=5)
+    state = {"model": model, "optimizer": optimizer, "step": 0, "name": None, "stats": {}}
+    assert _load_any(any_format, state) == {}
+    assert state["step"] == 3 and state["name"] == "run-a" and torch.equal(state["stats"]["mean"], torch.ones(2))
+    state = {"name": "", "stats": None}
+    _load_any(any_format, state, strict=False)
+    assert state["name"] == "run-a" and torch.equal(state["stats"]["mean"], torch.ones(2))
+
+
+def _load_any(path: Path, state: dict, strict: bool = True) -> dict:
+    """``fabric.load`` (a single file through the strategy's hooks, a sharded folder), or a full file as a sharded
+    strategy reads it (whole tensors handed over by the distributed state-dict API)."""
+    if path.name == "full_file":
+        from fabric.checkpoint.formats.full import load_full
+
+        return load_full(path, state, strict=strict)
+    return cpu_fabric().load(path, state, strict=strict)
+
+
+def _bytes_of(path: Path) -> dict[str, bytes]:
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return {str(file): file.read_bytes() for file in files if file.is_file()}
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_mismatched_collective_shapes_are_named_in_torch_debug_mode(tmp_path):

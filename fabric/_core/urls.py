@@ -5,6 +5,10 @@ local path; ``file://`` is the local disk. Resolving a URL imports fsspec (and i
 first use only; an unknown scheme or a missing library stops with an error naming the URL (credentials
 stripped) and the extra of fabric-torch that installs the library. Checkpoints on URLs:
 ``fabric.checkpoint.storage``.
+
+No text we make or pass on shows a URL's credentials (a password in it, its query): messages name the URL
+``redact``-ed; a storage library's error is re-raised as ours (``storage_error``) chained only to a copy without
+them (``without_secrets``); and the filesystem of a URL that holds any cleans every error its calls raise.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import os
 import re
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(::[A-Za-z][A-Za-z0-9+.\-]*)*://")
 
@@ -62,16 +65,144 @@ def local_or_url(path: str | os.PathLike) -> str | Path:
 
 
 def redact(url: str) -> str:
-    """``url`` without credentials: the password of ``user:password@`` and the query (signed URLs carry tokens there)."""
+    """``url`` as messages show it: the password of every ``user:password@`` (in each URL of a chain such as
+    ``simplecache::s3://...``, and also one holding a ``/``, as AWS secret keys do) and the query (signed URLs
+    carry tokens there) become ``***``. The user name stays (an Azure URL's ``container@account`` is no secret);
+    everything else is kept as written."""
+    return _split_secrets(url)[0]
+
+
+def secrets_of(url: str) -> list[str]:
+    """What of ``url`` no text we make may show: each password and the query with its values, as written,
+    %-decoded and %-encoded, and the pieces of a password with a ``/`` (a library that takes the URL's
+    ``user:pass`` for a bucket stops it at the first ``/``); longest first, so a secret holding another is
+    replaced whole. Pieces and values under 4 characters are no tokens: replacing them would garble messages."""
+    from urllib.parse import parse_qsl, quote, unquote
+
+    found: set[str] = set()
+    for secret in _split_secrets(url)[1]:
+        found.add(secret)
+        found.update(piece for piece in secret.split("/") if len(piece) >= 4)
+        if "=" in secret:  # a query: its values may also be shown alone
+            found.update(value for _, value in parse_qsl(secret, keep_blank_values=True) if len(value) >= 4)
+    for secret in list(found):
+        found.update((unquote(secret), quote(secret, safe="")))
+    return sorted((secret for secret in found if secret), key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (a storage library's message, which may repeat ``url`` or a part of it: a bucket name, a key) with
+    every secret of ``url`` replaced by ``***``."""
+    for secret in secrets_of(url):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _split_secrets(url: str) -> tuple[str, list[str]]:
+    """(``url`` redacted, the passwords and the query it holds)."""
+    shown, secrets = [], []
+    for segment in url.split("::"):
+        scheme, separator, rest = segment.partition("://")
+        if not separator:
+            shown.append(segment)
+            continue
+        user, colon, password = rest.partition("@")[0].partition(":") if "@" in rest else ("", "", "")
+        credentials = ""
+        if colon and not any(mark in user for mark in "/?#"):  # user:password@ (the password may hold a /)
+            credentials, rest = f"{user}:***@", rest[len(user) + len(password) + 2 :]
+            secrets.append(password)
+        path, _, query = rest.partition("?")
+        query, hash_mark, fragment = query.partition("#")
+        if query:
+            rest = f"{path}?***{hash_mark}{fragment}"
+            secrets.append(query)
+        shown.append(f"{scheme}://{credentials}{rest}")
+    return "::".join(shown), secrets
+
+
+def error_summary(err: BaseException, url: str = "") -> str:
+    """The first line of ``err``'s message (and the next, when the first only announces it, as botocore's
+    "Parameter validation failed:" does), without the secrets of ``url``."""
+    lines = [line.strip() for line in scrub(str(err), url).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def without_secrets(err: BaseException, url: str) -> BaseException:
+    """``err`` itself when nothing a traceback prints of it (its chained causes included) or its ``repr`` shows a
+    secret of ``url``; else a copy of it with its message scrubbed and no chain, shown under the same class name
+    (a library's error class may not take a bare message, so the copy's class derives from the nearest built-in
+    one: ``except OSError`` and ``except FileNotFoundError`` catch the copy as they catch ``err``)."""
+    import traceback
+
+    hidden = secrets_of(url)
+    if not hidden:
+        return err
+    text = "".join(traceback.format_exception(err)) + repr(err)
+    if not any(secret in text for secret in hidden):
+        return err
+    message = scrub(str(err), url)
     try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url.split("?", 1)[0]
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
-        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"{user}@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", parts.fragment))
+        copy = _stand_in(type(err))(message)
+    except Exception:  # a built-in class with other arguments (UnicodeDecodeError)
+        copy = RuntimeError(f"{type(err).__name__}: {message}")
+    if isinstance(err, OSError) and isinstance(copy, OSError):
+        copy.errno = err.errno
+    return copy
+
+
+_STAND_INS: dict[type[BaseException], type[BaseException]] = {}
+
+
+def _stand_in(cls: type[BaseException]) -> type[BaseException]:
+    """``cls`` if it is built in; else a class of the same name and module deriving from ``cls``'s nearest built-in base."""
+    if cls.__module__ == "builtins":
+        return cls
+    if cls not in _STAND_INS:
+        base = next(base for base in cls.__mro__ if base.__module__ == "builtins")
+        doc = f"A copy of a {cls.__qualname__} whose message no longer shows a URL's credentials."
+        _STAND_INS[cls] = type(cls.__name__, (base,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": doc})
+    return _STAND_INS[cls]
+
+
+def storage_error(what: str, url: str, err: BaseException) -> OSError:
+    """Our error for a storage library's ``err``: ``what`` (e.g. "Could not read the checkpoint 's3://...'", the URL
+    redacted) and the library's message without the secrets of ``url``; of ``err``'s built-in OSError class
+    (FileNotFoundError, PermissionError, ConnectionError, ...), else an OSError. Raise it
+    ``from without_secrets(err, url)``: the library's own text is never chained unscrubbed."""
+    cls = next((base for base in type(err).__mro__ if base.__module__ == "builtins" and issubclass(base, OSError)), OSError)
+    error = cls(f"{what}: {type(err).__name__}: {error_summary(err, url)}")
+    if isinstance(err, OSError):
+        error.errno = err.errno
+    return error
+
+
+def check_place(url: str) -> None:
+    """A URL must name a place on its store: ``s3://`` or ``memory://`` alone names none (nor a chain ending so)."""
+    path = url.rsplit("::", 1)[-1].partition("://")[2]
+    if "@" in path.partition("/")[0]:
+        path = path.partition("@")[2]
+    if not path.split("?", 1)[0].split("#", 1)[0].strip("/"):
+        raise ValueError(
+            f"{redact(url)!r} names a store but no place on it. Accepted: a local path, or a URL with a bucket or folder"
+            " after '://', e.g. s3://bucket/run/ckpt.pt, gs://bucket/logs, memory://run/ckpt.pt"
+        )
+
+
+# schemes fsspec can only read from
+_READ_ONLY = ("http", "https", "github", "gist", "git", "tar", "libarchive", "data", "reference")
+
+
+def check_writable(url: str, doing: str) -> None:
+    """``doing`` (e.g. "save a checkpoint") needs a store that can be written: an http(s):// URL and other read-only
+    fsspec schemes are refused, naming the URL (redacted) and what is accepted."""
+    read_only = [protocol for protocol in _protocols(url) if protocol in _READ_ONLY]
+    if read_only:
+        raise ValueError(
+            f"Cannot {doing} at {redact(url)!r}: {read_only[0]}:// can only be read. Accepted: a local path, or a URL of"
+            " a store that can be written, e.g. s3://bucket/..., gs://bucket/..., az://container/..., memory://..."
+        )
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -101,8 +232,54 @@ def filesystem(url: str) -> tuple[Any, str]:
                 f"{redact(url)!r} needs the storage library for {protocol}:// ({module}), which is not installed:"
                 f" pip install 'fabric-torch[{extra}]'"
             ) from None
-    fs, path = url_to_fs(url)
-    return fs, path
+    check_place(url)
+    try:
+        fs, path = url_to_fs(url)
+    except Exception as err:
+        raise storage_error(f"Could not open the store of {redact(url)!r}", url, err) from without_secrets(err, url)
+    # a library may repeat the URL, or a part of it, in its errors: with credentials in it, none of them passes uncleaned
+    return (_Scrubbed(fs, url) if secrets_of(url) else fs), path
+
+
+class _Scrubbed:
+    """An fsspec filesystem (or a file it opened) whose calls raise ``without_secrets(err, url)`` for an error
+    ``err``: the library's own error where it shows no secret of ``url``, else a scrubbed copy without a chain."""
+
+    def __init__(self, target: Any, url: str) -> None:
+        self._target = target
+        self._url = url
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_target", "_url"):  # not set yet (a copy being made): no recursion through __getattr__
+            raise AttributeError(name)
+        value = getattr(self._target, name)
+        if not callable(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = self._call(value, *args, **kwargs)
+            return _Scrubbed(result, self._url) if name == "open" else result
+
+        return call
+
+    def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except Exception as err:
+            clean = without_secrets(err, self._url)
+            if clean is err:
+                raise
+            raise clean from None
+
+    def __enter__(self) -> _Scrubbed:
+        self._call(self._target.__enter__)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        return self._call(self._target.__exit__, *exc_info)
+
+    def __repr__(self) -> str:
+        return scrub(repr(self._target), self._url)
 
 
 def _protocols(url: str) -> list[str]:

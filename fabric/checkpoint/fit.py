@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -18,7 +18,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.checkpoint.errors import CheckpointMismatchError
-from fabric.checkpoint.stateful import SAVED_RANKS_KEY, checks_state, keeps_saved_ranks
+from fabric.checkpoint.stateful import SAVED_RANKS_KEY, checks_state, is_stateful, keeps_saved_ranks
 
 __all__ = [
     "CheckpointMismatchError",
@@ -29,6 +29,7 @@ __all__ = [
     "check_optimizer_fits",
     "check_optimizer_state_fits",
     "check_optimizer_state_shapes",
+    "check_plain_value",
     "check_saved_ranks",
     "check_state_dict_fits",
     "check_stateful_entry",
@@ -223,4 +224,29 @@ def tensor_shapes(entry: Any) -> dict[str, tuple[int, ...] | None]:
 def check_kind(key: str, kind: str, saved_kind: str) -> None:
     """A module, an optimizer or another object here must be the same kind of entry in the checkpoint."""
     if kind != saved_kind:
-        raise CheckpointMismatchError(f"state[{key!r}] is a {kind} here but the checkpoint holds a {saved_kind} under that key")
+        here, saved = _KINDS.get(kind, kind), _KINDS.get(saved_kind, saved_kind)
+        raise CheckpointMismatchError(f"state[{key!r}] is {here} here but the checkpoint holds {saved} under that key")
+
+
+_KINDS = {"module": "a module", "optimizer": "an optimizer", "other": "a plain value or Stateful object"}
+
+#: what a module's or an optimizer's entry loads into (by the kinds of ``layout``)
+_LOADS_INTO = {"module": ("a module's", "torch.nn.Module"), "optimizer": ("an optimizer's", "torch.optim.Optimizer")}
+
+
+def check_plain_value(key: str, obj: Any, saved_kind: str) -> None:
+    """A plain value in ``state`` (neither a module, an optimizer nor a Stateful object), which loading replaces
+    by the saved one, must not stand where the checkpoint holds a module's or an optimizer's state dict
+    (``saved_kind``, as the format records or shows it): a str or an int there is a mistake that replacing
+    would hide. ``None`` and a dict stand for the entry itself, as in Lightning Fabric (a file cannot tell a
+    module's state dict from a plain dict of tensors); a sharded folder, which stores the two apart, refuses them
+    in its own check."""
+    if saved_kind not in _LOADS_INTO or obj is None or isinstance(obj, (Module, Optimizer, Mapping)) or is_stateful(obj):
+        return
+    whose, target = _LOADS_INTO[saved_kind]
+    shown = repr(obj)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise CheckpointMismatchError(
+        f"state[{key!r}] is a {type(obj).__name__} ({shown}), but the checkpoint holds {whose} state dict under that key,"
+        f" which loads into a {target}: put that object in state[{key!r}], or leave the key out and load() returns the entry"
+    )

@@ -11,6 +11,7 @@ nested state with tensors replaced by ``None``, plus each flat key's path into i
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
@@ -32,6 +33,28 @@ def kind_of(obj: Any) -> str:
         return MODULE
     if isinstance(obj, Optimizer):
         return OPTIMIZER
+    return OTHER
+
+
+def kind_saved_in(entry: Any) -> str:
+    """What an entry of a checkpoint file was saved from, as far as its value shows (a file keeps no kinds).
+
+    ``OPTIMIZER``: ``{"state": {...}, "param_groups": [{"params": [...], ...}, ...]}``, the form of every
+    optimizer state dict (torch's and the distributed state-dict API's); ``MODULE``: a non-empty dict of
+    tensors by name. A plain dict of tensors looks the same as a module's state dict; ``OTHER`` otherwise.
+    """
+    if not isinstance(entry, Mapping) or not entry:
+        return OTHER
+    groups = entry.get("param_groups")
+    if (
+        set(entry) == {"state", "param_groups"}
+        and isinstance(entry["state"], Mapping)
+        and isinstance(groups, list)
+        and all(isinstance(group, Mapping) and "params" in group for group in groups)
+    ):
+        return OPTIMIZER
+    if all(isinstance(name, str) and isinstance(value, Tensor) for name, value in entry.items()):
+        return MODULE
     return OTHER
 
 

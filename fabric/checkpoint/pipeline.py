@@ -92,7 +92,7 @@ def save(
     write's outcome comes with the next save or load); a failure is raised on every rank.
     """
     check_path(path, "save")
-    store = locate(path)
+    store = locate(path, writing="save a checkpoint")
     store.before_save()  # the start of a job: what killed saves in this folder left, where the writer is gone
     # the gather's tensors go to this rank's device: NCCL collectives take no CPU tensors
     state = gather_per_rank_states(state, lambda tensor: host.all_gather(tensor.to(host.root_device)), host.world_size, filter)

@@ -3,8 +3,9 @@
 It goes in three steps, and the first two change nothing the user holds:
 
 1. check: the checkpoint's index (or file) is read, every key of ``state`` is present (unless
-   ``strict=False``), and the format checks each entry against its object (keys, shapes, kinds, optimizer
-   groups and state shapes: ``fit``), from the index alone where it has one;
+   ``strict=False``), no plain value stands where the checkpoint holds a module's or an optimizer's state
+   (``fit.check_plain_value``, here for every format), and the format checks each entry against its object
+   (keys, shapes, kinds, optimizer groups and state shapes: ``fit``), from the index alone where it has one;
 2. read: the data of every entry is read into new storage, and its checksums are verified;
 3. apply: the read values go into their objects (modules, optimizers, Stateful objects) and replace plain
    values, and the rest of the checkpoint is returned.
@@ -28,7 +29,8 @@ from typing import Any, Protocol, TypeVar
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.fit import check_entries_present, check_saved_ranks
+from fabric.checkpoint.fit import check_entries_present, check_plain_value, check_saved_ranks
+from fabric.checkpoint.layout import kind_saved_in
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY, is_stateful
 
 __all__ = ["Agreement", "EntrySource", "WholeFile", "restore"]
@@ -57,6 +59,11 @@ class EntrySource(Protocol):
 
     def saved_value(self, key: str) -> Any:
         """The saved entry ``key``, neither a module nor an optimizer, as written (whole; no tensor data read)."""
+        ...
+
+    def saved_kind(self, key: str) -> str:
+        """What the entry ``key`` was saved from (``layout.MODULE``, ``OPTIMIZER`` or ``OTHER``), as the
+        checkpoint records it or its value shows; reads no tensor data beyond what ``keys`` read."""
         ...
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -88,6 +95,9 @@ class WholeFile:
     def saved_value(self, key: str) -> Any:
         return self.keys()[key]
 
+    def saved_kind(self, key: str) -> str:
+        return kind_saved_in(self.keys()[key])  # a file records no kinds: its value shows them
+
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Nothing more to read: the values of ``present``'s keys, and the rest."""
         rest = dict(self.keys())
@@ -102,6 +112,8 @@ def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: 
         saved = _entries(keys)
         check_entries_present(source.path, state, saved, strict)
         present = {key: obj for key, obj in state.items() if key in saved}
+        for key, obj in present.items():
+            check_plain_value(key, obj, source.saved_kind(key))
         source.check(present, strict)
         if SAVED_RANKS_KEY not in keys:
             return present, {}

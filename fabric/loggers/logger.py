@@ -8,7 +8,8 @@ import sys
 import weakref
 from abc import ABC, abstractmethod
 from argparse import Namespace
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from functools import wraps
 from typing import Any
 
@@ -41,11 +42,14 @@ def register_close_at_exit(logger: Any) -> None:
 
 
 def _close_open_loggers() -> None:
+    from fabric._core.urls import scrub
+
     for logger in list(_OPEN_LOGGERS):
         try:
             logger.close_at_exit()
         except Exception as err:  # one logger's failure must not cost the others their data
-            print(f"[fabric] could not write {type(logger).__name__}'s last data at exit: {err!r}", file=sys.stderr, flush=True)
+            line = f"[fabric] could not write {type(logger).__name__}'s last data at exit: {err!r}"
+            print(scrub(line, str(getattr(logger, "root_dir", None) or "")), file=sys.stderr, flush=True)
 
 
 _VERSION_DIR = re.compile(r"version_(\d+)")
@@ -148,9 +152,12 @@ class FolderLogger(Logger):
     """
 
     def __init__(self, root_dir: str | os.PathLike, name: str, version: int | str | None) -> None:
-        from fabric._core.urls import is_url, local_or_url
+        from fabric._core.urls import check_writable, is_url, local_or_url
 
-        # a URL is never a local folder: its store is checked here (unknown scheme, missing library)
+        # a URL is never a local folder: its store is checked here (no place named, read-only, unknown scheme,
+        # missing library)
+        if is_url(root_dir):
+            check_writable(str(root_dir), f"write the logs of {type(self).__name__}")
         root_dir = local_or_url(os.fspath(root_dir))
         self._remote = is_url(root_dir)
         self._root_dir = os.fspath(root_dir)
@@ -182,7 +189,10 @@ class FolderLogger(Logger):
         return os.path.join(self._root_dir, self._name, version_folder(self.version))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(root_dir={self._root_dir!r}, name={self._name!r}, version={self._version!r})"
+        from fabric._core.urls import redact
+
+        root_dir = redact(self._root_dir) if self._remote else self._root_dir
+        return f"{type(self).__name__}(root_dir={root_dir!r}, name={self._name!r}, version={self._version!r})"
 
 def next_version(experiment_dir: str) -> int:
     """One more than the highest ``version_N`` folder in ``experiment_dir`` (0 when there is none); a URL is listed
@@ -200,10 +210,26 @@ def list_folder(folder: str) -> list[str]:
         if not is_url(folder):
             return os.listdir(folder)
         fs, path = filesystem(folder)
-        fs.invalidate_cache(path)
-        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+        with store_errors("list the log folder", folder, passing=(FileNotFoundError, NotADirectoryError)):
+            fs.invalidate_cache(path)
+            return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+@contextmanager
+def store_errors(doing: str, url: str, passing: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """A storage library's error in the block re-raised as ours, naming what was being done and ``url`` without its
+    credentials, chained only to a copy without them; errors of the classes ``passing`` pass (a missing file, which
+    the caller takes for "none")."""
+    from fabric._core.urls import redact, storage_error, without_secrets
+
+    try:
+        yield
+    except passing:
+        raise
+    except Exception as err:
+        raise storage_error(f"Could not {doing} {redact(url)!r}", url, err) from without_secrets(err, url)
 
 
 def write_text(path: str, text: str) -> None:
@@ -213,7 +239,8 @@ def write_text(path: str, text: str) -> None:
 
     if is_url(path):
         fs, key = filesystem(path)
-        fs.pipe_file(key, text.encode("utf-8"))
+        with store_errors("write the log file", path):
+            fs.pipe_file(key, text.encode("utf-8"))
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     temp = f"{path}.tmp{os.getpid()}"
@@ -229,7 +256,8 @@ def read_text(path: str) -> str | None:
     try:
         if is_url(path):
             fs, key = filesystem(path)
-            return bytes(fs.cat_file(key)).decode("utf-8")
+            with store_errors("read the log file", path, passing=(FileNotFoundError,)):
+                return bytes(fs.cat_file(key)).decode("utf-8")
         with open(path, newline="", encoding="utf-8") as handle:
             return handle.read()
     except FileNotFoundError:

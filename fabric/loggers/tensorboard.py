@@ -136,14 +136,14 @@ class TensorBoardLogger(FolderLogger):
         try:
             self._upload()
         except Exception as err:
-            from fabric._core.urls import redact
+            from fabric._core.urls import error_summary, redact, without_secrets
 
             message = (
-                f"Could not upload the TensorBoard logs to {redact(self.log_dir)!r}: {type(err).__name__}: {err}"
-                f" (they are kept in {self._staging!r}"
+                f"Could not upload the TensorBoard logs to {redact(self.log_dir)!r}: {type(err).__name__}:"
+                f" {error_summary(err, self.log_dir)} (they are kept in {self._staging!r}"
             )
             if not quiet:
-                raise OSError(f"{message})") from err
+                raise OSError(f"{message})") from without_secrets(err, self.log_dir)
             from fabric.utilities.rank_zero import rank_zero_warn
 
             rank_zero_warn(f"{message}; the next upload tries again)")

@@ -104,6 +104,13 @@ class RankFailedError(RuntimeError):
             message = f"{message}\n{diagnosis}"
         super().__init__(message)
 
+    @property
+    def exit_status(self) -> int:
+        """The status a job that ends with this failure exits with, as under ``fabric-torch run`` (see
+        :attr:`JobResult.exit_status`): 1 for a rank that raised, n for ``sys.exit(n)``, 128 + N for signal N."""
+        failure = RankFailure(self.rank, None, self.exitcode, raised=self.traceback_text is not None)
+        return JobResult(failure=failure).exit_status
+
     def __reduce__(self) -> tuple[type, tuple[int, int | None, str | None, str | None]]:
         return (type(self), (self.rank, self.exitcode, self.traceback_text, self.diagnosis))
 

@@ -22,7 +22,7 @@ from fabric.checkpoint.storage import Store, locate
 def save_file(path: str | Path | Store, obj: Any, replace_folder: bool = False) -> None:
     """``torch.save(obj)`` as the checkpoint file at ``path``, atomically on any store (``Store.write_file``).
     ``replace_folder``: a sharded checkpoint folder there is replaced by the file."""
-    store = locate(path)
+    store = locate(path, writing="save a checkpoint")
     try:
         store.write_file(lambda file: torch.save(obj, file), replace_folder=replace_folder)
     except Exception as err:

@@ -42,7 +42,7 @@ def save_full(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
-    store = locate(path)
+    store = locate(path, writing="save a checkpoint")
     entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True)), state, filter)
 
     def write() -> None:  # rank 0 holds the full tensors (cpu_offload): it alone writes

@@ -73,7 +73,7 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
-    store = locate(path)
+    store = locate(path, writing="save a checkpoint")
     entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, filter)
     kinds = {key: layout.kind_of(obj) for key, obj in state.items()}
     skeleton, tensors, paths = layout.split_tensors(entries, kinds)
@@ -268,6 +268,9 @@ class ShardedFolder:
 
     def saved_value(self, key: str) -> Any:
         return self.objects["skeleton"][key]  # other entries stay whole in the skeleton
+
+    def saved_kind(self, key: str) -> str:
+        return self.objects["kinds"].get(key, OTHER)  # recorded when it was saved
 
     def check(self, present: dict[str, Any], strict: bool) -> None:
         """Check each entry against the index; remember, per module/optimizer, the tensors to read."""

@@ -9,22 +9,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import IO, Any, TypeVar
 
+from fabric._core.urls import error_summary
 from fabric.checkpoint.errors import CommitRecordError, is_pickling_error
 from fabric.checkpoint.storage.objects import (
     FILE_OBJECT,
+    ConcurrentSaveError,
     Record,
+    commit,
     fetch_object,
     filesystem,
     generation_prefix,
+    library_errors,
     new_generation,
     read_record,
     redact,
-    remove_other_generations,
-    remove_other_generations_than_committed,
+    remove_failed_generation,
+    remove_generations,
     write_object,
-    write_record,
 )
 from fabric.checkpoint.storage.sharded_store import StoreFolder, StoreSave
 from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave
@@ -47,10 +51,15 @@ class ObjectStore:
     def _filesystem(self) -> tuple[Any, str]:
         return filesystem(self.url)
 
+    def _reading(self) -> AbstractContextManager[None]:
+        """A storage library's error in the block as ours, naming the checkpoint (``objects.library_errors``)."""
+        return library_errors(f"Could not read the checkpoint {self.shown!r}", self.url)
+
     def detect(self) -> Found:
         fs, path = self._filesystem()
         try:
-            record = read_record(fs, path, self.url)
+            with self._reading():
+                record = read_record(fs, path, self.url)
         except FileNotFoundError:
             return Found("missing")
         return Found("sharded" if record.kind == "sharded" else "file", record)
@@ -62,14 +71,16 @@ class ObjectStore:
         """The commit record (the one adopted, else read now), checked to be of ``kind``."""
         if self._record is None:
             fs, path = self._filesystem()
-            self._record = read_record(fs, path, self.url)
+            with self._reading():
+                self._record = read_record(fs, path, self.url)
         if self._record.kind != kind:
             raise CommitRecordError(f"{self.shown!r} is a {self._record.kind} checkpoint, not a {kind} one")
         return self._record
 
     def exists(self) -> bool:
         fs, path = self._filesystem()
-        return bool(fs.exists(path))
+        with self._reading():
+            return bool(fs.exists(path))
 
     def is_folder(self) -> bool:
         return False  # a store's checkpoint is its commit record, one object
@@ -85,21 +96,22 @@ class ObjectStore:
         generation = new_generation()
         try:
             digest = write_object(fs, f"{generation_prefix(path, generation)}/{FILE_OBJECT}", produce, self.url)
-            write_record(fs, path, Record("file", generation, {FILE_OBJECT: digest}))
+            commit(fs, path, self.url, Record("file", generation, {FILE_OBJECT: digest}))
         except BaseException as err:
-            remove_other_generations_than_committed(fs, path, self.url)
-            if isinstance(err, Exception) and not isinstance(err, (TypeError, ValueError)) and not is_pickling_error(err):
+            remove_failed_generation(fs, path, self.url, generation)
+            expected = (TypeError, ValueError, ConcurrentSaveError)  # the state's fault, or the other save's checkpoint is there
+            if isinstance(err, Exception) and not isinstance(err, expected) and not is_pickling_error(err):
                 raise OSError(
                     f"Could not save the checkpoint {self.shown!r}: {type(err).__name__}: {_first_line(err)}"
                     " (the previous checkpoint, if any, is unchanged)"
                 ) from err
             raise
-        remove_other_generations(fs, path, keep=generation)
 
     def read_file(self, load: Callable[[int, int, str], T]) -> T:
         record = self.record("file")
         fs, path = self._filesystem()
-        fd = fetch_object(fs, path, record, FILE_OBJECT, self.url)
+        with self._reading():
+            fd = fetch_object(fs, path, record, FILE_OBJECT, self.url)
         try:
             return load(fd, record.objects[FILE_OBJECT]["size"], self.shown)
         finally:
@@ -109,10 +121,11 @@ class ObjectStore:
         """The commit record first (it stops being a checkpoint), then its objects."""
         fs, path = self._filesystem()
         try:
-            fs.rm(path)
+            with library_errors(f"Could not remove the checkpoint {self.shown!r}", self.url):
+                fs.rm(path)
         except FileNotFoundError:
             pass
-        remove_other_generations(fs, path, keep=None)
+        remove_generations(fs, path)
 
     def prepare_sharded_save(self, files_written: frozenset[str]) -> str:
         self._filesystem()  # the scheme and the library, checked on rank 0 before any rank writes
@@ -126,5 +139,4 @@ class ObjectStore:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    return error_summary(err)

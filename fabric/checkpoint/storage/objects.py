@@ -24,14 +24,24 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fabric._core.processes import process_alive
-from fabric._core.urls import MissingStorageLibraryError, filesystem, is_url, local_or_url, redact, scheme_of
-from fabric.checkpoint.errors import CommitRecordError
+from fabric._core.urls import (
+    MissingStorageLibraryError,
+    filesystem,
+    is_url,
+    local_or_url,
+    redact,
+    scheme_of,
+    storage_error,
+    without_secrets,
+)
+from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
 from fabric.checkpoint.integrity import crc32
 
 T = TypeVar("T")
@@ -50,10 +60,25 @@ RECORD_FORMAT = "fabric-commit"
 RECORD_VERSION = 1
 DATA_SUFFIX = ".fabric"  # the generations of the checkpoint at URL live under URL.fabric/
 FILE_OBJECT = "checkpoint.pt"  # the one object of a single-file checkpoint
+RECORD_COPY = ".fabric-record"  # in a generation: a copy of its commit record, written before the commit
 ITEMS_KEY = "items_crc32"  # in a sharded record's entry of a data file: each item's CRC-32, in file order
 _CHUNK = 8 << 20
 _RANGE_PIECE = 32 << 20  # a fetched byte range is read in GETs of at most this many bytes
 _MAX_GAP = 1 << 20  # items of one object closer than this are fetched in one GET (the gap is read and dropped)
+
+
+@contextmanager
+def library_errors(what: str, url: str) -> Iterator[None]:
+    """A storage library's error in the block re-raised as ours: ``what`` (e.g. "Could not read the checkpoint
+    's3://...'", the URL redacted) and the library's message, chained only to a copy of it without the secrets of
+    ``url`` (``fabric._core.urls.storage_error``). Our own errors pass: a checkpoint's (CheckpointLoadError) and a
+    missing object's (FileNotFoundError, which the callers turn into theirs)."""
+    try:
+        yield
+    except (CheckpointLoadError, FileNotFoundError):
+        raise
+    except Exception as err:
+        raise storage_error(what, url, err) from without_secrets(err, url)
 
 
 # ---- the commit record ----------------------------------------------------------------------
@@ -79,9 +104,13 @@ def new_generation() -> str:
 
 def write_record(fs: Any, path: str, record: Record) -> None:
     """Make the generation of ``record`` the checkpoint at ``path``: one small object, written last."""
+    fs.pipe_file(path, _record_bytes(record))
+
+
+def _record_bytes(record: Record) -> bytes:
     body = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "kind": record.kind, "generation": record.generation,
             "objects": record.objects}
-    fs.pipe_file(path, json.dumps(body, sort_keys=True).encode())
+    return json.dumps(body, sort_keys=True).encode()
 
 
 def read_record(fs: Any, path: str, url: str) -> Record:
@@ -95,6 +124,10 @@ def read_record(fs: Any, path: str, url: str) -> Record:
         raise FileNotFoundError(f"Checkpoint not found: {redact(url)!r}{hint}") from None
     except IsADirectoryError:
         raise CommitRecordError(f"{redact(url)!r} is a folder on the store, not a checkpoint with a commit record") from None
+    return _parse_record(data, url)
+
+
+def _parse_record(data: bytes, url: str) -> Record:
     try:
         body = json.loads(data)
         if not isinstance(body, dict) or body.get("format") != RECORD_FORMAT:
@@ -124,19 +157,117 @@ def _generations(fs: Any, path: str) -> list[str]:
         return []
 
 
-def remove_other_generations(fs: Any, path: str, keep: str | None) -> None:
-    """Remove every generation of ``path`` but ``keep`` (after the commit of ``keep``); never raises.
+def commit(fs: Any, path: str, url: str, record: Record) -> None:
+    """Make ``record``'s generation, whole on the store, the checkpoint at ``path``; then remove what no record can
+    name any more. Safe beside another writer of the same path (two jobs, or a job and its restarted copy):
 
-    Two requests on an object store, however many generations and objects there are: one listing of
-    everything under ``URL.fabric/`` and one bulk delete (per 1000 objects) of what is not in ``keep``."""
+    - every generation keeps a copy of its record (``RECORD_COPY``, written before the commit), so the record of
+      any whole generation can be written again;
+    - a clean-up removes only generations *older* than its own save's, never the one the record names when it
+      looks, and looks again after removing: had the other writer just committed one of the removed generations,
+      it writes its own record back (its own generation is whole: no writer removes a newer one than its own);
+    - after writing its record, a writer checks that its objects are still there: had the other writer's clean-up
+      removed them first, it makes the newest whole generation the checkpoint again and raises
+      (``ConcurrentSaveError``).
+
+    Either way the record names one whole save."""
+    fs.pipe_file(f"{generation_prefix(path, record.generation)}/{RECORD_COPY}", _record_bytes(record))
+    write_record(fs, path, record)
+    if not _whole(fs, path, record):
+        _recommit_newest_whole(fs, path, url)
+        raise ConcurrentSaveError(
+            f"Could not save the checkpoint {redact(url)!r}: another save of the same URL, running at the same time,"
+            " removed this save's objects before it was committed; the checkpoint there is the other save's, whole"
+        )
+    _remove_older_generations(fs, path, url, record)
+
+
+def _recommit_newest_whole(fs: Any, path: str, url: str) -> None:
+    """Write again the record of the newest generation that is whole (from its record's copy); never raises."""
     folder = f"{path}{DATA_SUFFIX}"
     try:
         fs.invalidate_cache(folder)
+        generations = {entry[len(folder) + 1 :].split("/", 1)[0] for entry in fs.find(folder) if entry.startswith(f"{folder}/")}
+        for generation in sorted(generations, key=lambda name: _age(name) or 0, reverse=True):
+            try:
+                copy = _parse_record(fs.cat_file(f"{generation_prefix(path, generation)}/{RECORD_COPY}"), url)
+            except Exception:
+                continue  # a save in progress, or cut: no copy of a record
+            if copy.generation == generation and _whole(fs, path, copy):
+                write_record(fs, path, copy)
+                return
+    except Exception:
+        pass
+
+
+class ConcurrentSaveError(OSError):
+    """Another writer of the same URL removed this save's objects before its commit (the checkpoint is the other's)."""
+
+
+def _record_or_none(fs: Any, path: str, url: str) -> Record | None:
+    try:
+        return read_record(fs, path, url)
+    except Exception:  # none yet, no record, or unreadable: nothing to compare with
+        return None
+
+
+def _whole(fs: Any, path: str, record: Record) -> bool:
+    """Whether every object ``record`` lists is on the store with the size it lists (one listing)."""
+    prefix = generation_prefix(path, record.generation)
+    try:
+        fs.invalidate_cache(prefix)
+        sizes = {name.rstrip("/")[len(prefix) + 1 :]: info.get("size") for name, info in fs.find(prefix, detail=True).items()}
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return all(sizes.get(name) == entry["size"] for name, entry in record.objects.items())
+
+
+def _age(generation: str) -> int | None:
+    """The time a generation's save started (its name's first part, ns in hex); None for a name of another form."""
+    try:
+        return int(generation.split("-", 1)[0], 16)
+    except ValueError:
+        return None
+
+
+def _remove_older_generations(fs: Any, path: str, url: str, own: Record) -> None:
+    """After the commit of ``own``: remove the generations older than it that the record does not name; never raises.
+
+    A listing of everything under ``URL.fabric/``, a read of the record, one bulk delete (per 1000 objects) and a
+    second read of the record. A generation newer than ``own`` is another writer's (in progress, or committed since):
+    its own clean-up, or the next save's, removes it."""
+    folder = f"{path}{DATA_SUFFIX}"
+    own_age = _age(own.generation)
+    try:
+        fs.invalidate_cache(folder)
         entries = [entry.rstrip("/") for entry in fs.find(folder, withdirs=True)]
-        doomed = [entry for entry in entries if entry.startswith(f"{folder}/") and entry[len(folder) + 1 :].split("/", 1)[0] != keep]
-        if doomed:  # files and their folders (a store without folders takes a folder's name as a missing key)
-            fs.rm(sorted(doomed))
+        named = _record_or_none(fs, path, url)
+        keep = {own.generation, named.generation if named is not None else own.generation}
+        doomed_generations = set()
+        doomed = []
+        for entry in entries:
+            if not entry.startswith(f"{folder}/"):
+                continue
+            generation = entry[len(folder) + 1 :].split("/", 1)[0]
+            age = _age(generation)
+            if generation not in keep and (age is None or own_age is None or age < own_age):
+                doomed.append(entry)
+                doomed_generations.add(generation)
+        if not doomed:
+            return
+        fs.rm(sorted(doomed))  # files and their folders (a store without folders takes a folder's name as a missing key)
+        after = _record_or_none(fs, path, url)
+        if after is not None and after.generation in doomed_generations:
+            write_record(fs, path, own)  # the other writer committed what was just removed: ours is whole
     except Exception:  # the new checkpoint is committed; leftovers are removed by the next save
+        pass
+
+
+def remove_generations(fs: Any, path: str) -> None:
+    """Remove every generation of ``path`` (after its record: the checkpoint is being removed); never raises."""
+    try:
+        fs.rm(f"{path}{DATA_SUFFIX}", recursive=True)
+    except Exception:
         pass
 
 
@@ -284,7 +415,7 @@ class GrowingUpload:
                     while not (self._aborted or self._closed or self._written - position >= _CHUNK):
                         self._changed.wait()
                     if self._aborted:
-                        raise _Aborted(self._where)
+                        raise _Aborted(redact(self._where))
                     end, last = self._written, self._closed
                 while position < end:
                     chunk = os.pread(source.fileno(), min(_CHUNK, end - position), position)
@@ -357,13 +488,16 @@ def _remove_quietly(fs: Any, path: str) -> None:
         pass
 
 
-def remove_other_generations_than_committed(fs: Any, path: str, url: str) -> None:
-    """After a failed save: remove the objects no commit record names (best effort, never raises)."""
+def remove_failed_generation(fs: Any, path: str, url: str, generation: str) -> None:
+    """After a failed save: remove its generation's objects, unless the record names it (its commit may have landed
+    before the error); best effort, never raises. Other generations are left: another writer's may be in progress."""
+    named = _record_or_none(fs, path, url)
+    if named is not None and named.generation == generation:
+        return
     try:
-        committed: str | None = read_record(fs, path, url).generation
+        fs.rm(generation_prefix(path, generation), recursive=True)
     except Exception:
-        return  # cannot tell which generation is the checkpoint (the store may be gone): keep everything
-    remove_other_generations(fs, path, keep=committed)
+        pass
 
 
 def fetch_object(fs: Any, path: str, record: Record, name: str, url: str) -> int:

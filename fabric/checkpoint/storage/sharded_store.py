@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import fabric.checkpoint.storage.objects as storage
+from fabric._core.urls import error_summary
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
 from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE, check_data_files_belong, data_files_written
 
@@ -210,29 +211,26 @@ class StoreSave:
         fs, path = storage.filesystem(self.url)
         prefix = storage.generation_prefix(path, self.generation)
         self._uploaded[OBJECTS_FILE] = storage.write_object(fs, f"{prefix}/{OBJECTS_FILE}", write_objects, self.url)
-        storage.write_record(fs, path, storage.Record("sharded", self.generation, self._uploaded))
-        storage.remove_other_generations(fs, path, keep=self.generation)
+        storage.commit(fs, path, self.url, storage.Record("sharded", self.generation, self._uploaded))
 
     def describe(self, err: BaseException) -> str:
         return _scrub(err, self.url)
 
     def abort(self) -> None:
-        """Every rank is done uploading: what no commit record names goes."""
+        """Every rank is done uploading: this save's generation goes, unless the record names it."""
         try:
             fs, path = storage.filesystem(self.url)
         except Exception:
             return
-        storage.remove_other_generations_than_committed(fs, path, self.url)
+        storage.remove_failed_generation(fs, path, self.url, self.generation)
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _scrub(err: BaseException, url: str) -> str:
-    """The first line of ``err``'s message, with ``url`` (should a library repeat it) shown without credentials."""
-    text = str(err).strip()
-    line = text.splitlines()[0] if text else type(err).__name__
-    return line.replace(url, storage.redact(url))
+    """The first line of ``err``'s message, without the credentials of ``url`` (should a library repeat it, or a part of it)."""
+    return error_summary(err, url)
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -264,10 +262,15 @@ class StoreFolder:
     def open(self) -> Path:
         """The staging folder with the index and the objects file, each checked against the commit record."""
         fs, path, record = self._store()
-        for name in (INDEX_FILE, OBJECTS_FILE):
-            if not (self.folder / name).exists():
-                storage.fetch_to_file(fs, path, record, name, self.url, self.folder / name)
+        with self._reading():
+            for name in (INDEX_FILE, OBJECTS_FILE):
+                if not (self.folder / name).exists():
+                    storage.fetch_to_file(fs, path, record, name, self.url, self.folder / name)
         return self.folder
+
+    def _reading(self) -> AbstractContextManager[None]:
+        """A storage library's error in the block as ours, naming the checkpoint (``objects.library_errors``)."""
+        return storage.library_errors(f"Could not read the sharded checkpoint {self.shown!r}", self.url)
 
     def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
         """The commit record, the objects file and the index are of one save: the objects file names the
@@ -327,15 +330,16 @@ class StoreFolder:
         def fetch(name: str, missing: list[tuple[int, int, str]], crcs: dict[tuple[int, int], int]) -> None:
             storage.fetch_items(fs, path, record, name, self.url, self.folder / name, missing, crcs)
 
-        if len(work) > 1:
-            with ThreadPoolExecutor(max_workers=min(_MAX_FILES, len(work)), thread_name_prefix="fabric-fetch") as pool:
-                futures = [pool.submit(fetch, *job) for job in work]
-                errors = [future.exception() for future in futures]
-            for error in errors:
-                if error is not None:
-                    raise error
-        elif work:
-            fetch(*work[0])
+        with self._reading():
+            if len(work) > 1:
+                with ThreadPoolExecutor(max_workers=min(_MAX_FILES, len(work)), thread_name_prefix="fabric-fetch") as pool:
+                    futures = [pool.submit(fetch, *job) for job in work]
+                    errors = [future.exception() for future in futures]
+                for error in errors:
+                    if error is not None:
+                        raise error
+            elif work:
+                fetch(*work[0])
         for name, missing, crcs in work:
             have = self._fetched[name]
             have.update((offset, length) for offset, length, _ in missing)

@@ -63,4 +63,4 @@ class TorchCheckpointIO(CheckpointIO):
         return safe_load(path, map_location=map_location if map_location is not None else "cpu", weights_only=weights_only, device=device)
 
     def remove_checkpoint(self, path: str | Path | Store) -> None:
-        locate(path).remove()
+        locate(path, writing="remove a checkpoint").remove()

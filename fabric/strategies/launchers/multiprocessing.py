@@ -28,7 +28,7 @@ from fabric._core.process_end import HARD_END_WAIT_S, run_process_end_callbacks
 from fabric._core.processes import become_group_leader
 from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
 from fabric.supervision.diagnosis import install_stack_dump, record_failure
-from fabric.supervision.rank_side import follow_supervisor, format_rank_traceback
+from fabric.supervision.rank_side import exit_status_of, follow_supervisor, format_rank_traceback
 from fabric.supervision.supervisor import RankFailedError, Supervisor, only_in_this_process
 
 __all__ = ["MultiprocessingLauncher", "RankFailedError"]
@@ -135,6 +135,7 @@ class MultiprocessingLauncher(Launcher):
             restore_sigterm()
         if result.failure is not None:
             failure = result.failure
+            _end_with_the_rank_status_when_uncaught()
             raise RankFailedError(failure.rank, failure.exitcode, failure.traceback, diagnosis=result.diagnosis)
         payload = supervisor.rank(first).result  # type: ignore[attr-defined]  # a WorkerRank: it carries the result
         return None if payload is None else _deserialize(payload)
@@ -315,9 +316,17 @@ def _worker(
                     "The function finished, but its return value could not be sent back to the "
                     f"launching process (it is serialized with torch.save): {type(err).__name__}: {err}"
                 ) from err
-    except SystemExit:
+    except SystemExit as end:
+        # sys.exit(n) in a worker: its code is its exit status, as usual. Reported with the time it began,
+        # which comes before its interpreter shutdown closes its connections: the peers' errors that
+        # follow ("connection closed by peer") are echoes, never the cause (as ``rank_side.report_exit``)
+        began = time.monotonic()
         run_process_end_callbacks(timeout=HARD_END_WAIT_S)
-        raise  # sys.exit(n) in a worker: its code is its exit status, as usual
+        try:
+            conn.send(("exit", exit_status_of(end.code), began))
+        except Exception:
+            pass
+        raise
     except BaseException as err:
         record_failure(job_dir, rank, "".join(traceback.format_exception(type(err), err, err.__traceback__)))
         text = format_rank_traceback(rank, type(err), err, err.__traceback__)
@@ -349,6 +358,8 @@ class WorkerRank:
         self.raised_at: float | None = None
         self.traceback: str | None = None
         self.result: bytes | None = None  # what process 0 returned, serialized
+        #: (status, when) the worker reported as it began to exit through ``sys.exit`` (see ``reported_exit``)
+        self.exiting: tuple[int | None, float] | None = None
         self._conn: Connection | None = conn
 
     @property
@@ -388,6 +399,8 @@ class WorkerRank:
             conn.close()
         if message is not None and message[0] == "error":
             self.traceback, self.raised_at = message[1], float(message[2])
+        elif message is not None and message[0] == "exit":
+            self.exiting = (message[1], float(message[2]))
         elif message is not None:
             self.result = message[1]
 
@@ -397,6 +410,35 @@ class WorkerRank:
             self._conn = None
         if self.proc.pid is not None:
             self.proc.join(timeout=0)
+
+
+def _end_with_the_rank_status_when_uncaught() -> None:
+    """Have a :class:`RankFailedError` that nothing catches end the program with the failed rank's status.
+
+    Python ends a program on an uncaught exception with status 1, whatever it was; ``fabric-torch run``
+    and the popen launcher end a job with its failed rank's own status (``sys.exit(3)`` in rank 1: 3;
+    a rank killed by SIGKILL: 137). The error stays an ordinary exception for code that catches it: only
+    once it reached the top and its traceback was printed does the hook end the program with
+    :attr:`RankFailedError.exit_status` (a ``SystemExit`` raised by ``sys.excepthook`` ends the
+    interpreter as usual, ``atexit`` included). Not in an interactive session, whose loop shows every
+    error through ``sys.excepthook`` and goes on, nor in a forked copy of this process.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_fabric_rank_status", False):
+        return  # installed by an earlier launch
+    owner = os.getpid()
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        previous(exc_type, exc, tb)
+        if not isinstance(exc, RankFailedError) or os.getpid() != owner:
+            return
+        if hasattr(sys, "ps1") or sys.flags.interactive:
+            return
+        if exc.exit_status != 1:
+            raise SystemExit(exc.exit_status)
+
+    excepthook._fabric_rank_status = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
 
 
 def _raise_on_sigterm() -> Callable[[], object]:

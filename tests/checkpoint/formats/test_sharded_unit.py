@@ -123,8 +123,11 @@ def test_misfits_are_reported_before_anything_changes(tmp_path):
         load_sharded(tmp_path / "ckpt", {"model": wider})
     with pytest.raises(KeyError, match=r"no entry for \['missing'\]"):
         load_sharded(tmp_path / "ckpt", {"model": other, "missing": 0})
-    with pytest.raises(TypeError, match="is a module here but the checkpoint holds a other"):
+    with pytest.raises(TypeError, match="is a module here but the checkpoint holds a plain value or Stateful object"):
         load_sharded(tmp_path / "ckpt", {"step": other})
+    # None or a dict would take a plain entry as it is; a folder keeps a module's tensors apart, so it refuses them
+    with pytest.raises(TypeError, match=r"state\['model'\] is a plain value or Stateful object here but the checkpoint holds a module"):
+        load_sharded(tmp_path / "ckpt", {"model": None})
     with pytest.raises(KeyError, match="unexpected keys"):
         load_sharded(tmp_path / "ckpt", {"model": nn.Sequential(nn.Linear(4, 8))})
     assert same(other.state_dict(), before)

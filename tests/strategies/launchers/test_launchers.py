@@ -510,6 +510,29 @@ def test_exit_descriptions_and_labels():
     assert label_lines("a\nb\n", 3) == "[rank 3] a\n[rank 3] b\n"
 
 
+def test_an_uncaught_rank_failure_ends_the_program_with_the_rank_status(monkeypatch):
+    """What the multiprocessing launcher does before it raises: only an uncaught RankFailedError changes the status."""
+    from fabric.strategies.launchers import multiprocessing as mp_launcher
+
+    assert RankFailedError(1, 3).exit_status == 3
+    assert RankFailedError(1, 0).exit_status == 1  # left while the others still needed it
+    assert RankFailedError(1, -signal.SIGKILL).exit_status == 128 + signal.SIGKILL
+    assert RankFailedError(1, 1, "Traceback ...").exit_status == 1
+    shown = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: shown.append(exc[0]))
+    monkeypatch.delattr(sys, "ps1", raising=False)
+    mp_launcher._end_with_the_rank_status_when_uncaught()
+    mp_launcher._end_with_the_rank_status_when_uncaught()  # a second failed launch adds nothing
+    with pytest.raises(SystemExit) as ended:
+        sys.excepthook(RankFailedError, RankFailedError(1, 3), None)
+    assert ended.value.code == 3 and shown == [RankFailedError]  # the traceback is shown first, once
+    sys.excepthook(ValueError, ValueError("other"), None)  # any other error: Python's own status
+    sys.excepthook(RankFailedError, RankFailedError(1, 1, "Traceback ..."), None)  # raised: 1 already
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    sys.excepthook(RankFailedError, RankFailedError(1, 3), None)  # a REPL goes on
+    assert shown == [RankFailedError, ValueError, RankFailedError, RankFailedError]
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_import_does_not_pull_in_torch():

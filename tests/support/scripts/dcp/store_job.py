@@ -87,14 +87,14 @@ def count_record_reads(url: str, names: list[str]) -> list[str]:
     fs, root = filesystem(url)
     records = {f"{root}/{name}" for name in names}
     reads: list[str] = []
-    original = type(fs).cat_file
+    original = fs.cat_file  # an async file system's sync methods are its instance's own: wrap this one (fsspec caches it)
 
-    def cat_file(self, path, *args, **kwargs):
+    def cat_file(path, *args, **kwargs):
         if str(path).rstrip("/") in records and not args and kwargs.get("start") is None:
             reads.append(str(path))
-        return original(self, path, *args, **kwargs)
+        return original(path, *args, **kwargs)
 
-    type(fs).cat_file = cat_file
+    fs.cat_file = cat_file
     return reads
 
 
