@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from torch import Tensor
@@ -105,12 +107,29 @@ def check_entry(key: str, obj: Any, saved: Any, strict: bool) -> None:
         raise CheckpointMismatchError(f"state[{key!r}]: {message}") from None
 
 
+# (object, value) pairs the load walk has checked already, while it applies them through the strategy's hooks
+_CHECKED: ContextVar[frozenset[tuple[int, int]]] = ContextVar("fabric_checked_entries", default=frozenset())
+
+
+@contextmanager
+def checked(pairs: Iterable[tuple[Any, Any]]) -> Iterator[None]:
+    """Within this block the hooks' checks of these ``(object, value)`` pairs are skipped: the load walk checked
+    them before anything changed (a strategy's ``load_module_state_dict`` called directly still checks)."""
+    token = _CHECKED.set(frozenset((id(obj), id(value)) for obj, value in pairs))
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
 def check_state_dict_fits(module: Module, state_dict: Any, strict: bool = True) -> None:
     """Raise before loading if ``state_dict`` would not load into ``module`` whole.
 
     ``Module.load_state_dict`` copies the matching tensors before it reports a shape mismatch, leaving
     the module half-loaded; checking first keeps it intact.
     """
+    if (id(module), id(state_dict)) in _CHECKED.get():
+        return
     if not isinstance(state_dict, dict):
         raise CheckpointMismatchError(f"Expected a state dict (a dict of tensors) for {type(module).__name__}, got {type(state_dict).__name__}")
     check_module_fits(type(module).__name__, module.state_dict(), tensor_shapes(state_dict), strict)
@@ -118,6 +137,8 @@ def check_state_dict_fits(module: Module, state_dict: Any, strict: bool = True) 
 
 def check_optimizer_state_fits(optimizer: Optimizer, state_dict: Any) -> None:
     """Raise ValueError if ``state_dict`` is not an optimizer state with the same parameter group sizes."""
+    if (id(optimizer), id(state_dict)) in _CHECKED.get():
+        return
     if not isinstance(state_dict, dict) or "param_groups" not in state_dict:
         raise CheckpointMismatchError(f"Expected an optimizer state dict for {type(optimizer).__name__}, got {type(state_dict).__name__}")
     saved = [len(group["params"]) for group in state_dict["param_groups"]]

@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.fit import check_entries_present, check_plain_value, check_saved_ranks
+from fabric.checkpoint.fit import check_entries_present, check_plain_value, check_saved_ranks, checked
 from fabric.checkpoint.layout import kind_saved_in
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY, is_stateful
 
@@ -127,16 +127,17 @@ def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: 
             stacklevel=4,
         )
     values, rest = agree(lambda: source.read(present), f"read the checkpoint {str(source.path)!r}")
-    for key, obj in present.items():
-        value = values[key]
-        if isinstance(obj, Module):
-            source.load_module(key, obj, value, strict)
-        elif isinstance(obj, Optimizer):
-            source.load_optimizer(key, obj, value)
-        elif is_stateful(obj):
-            obj.load_state_dict(this_rank.get(key, value))
-        else:
-            state[key] = value
+    with checked((obj, values[key]) for key, obj in present.items() if isinstance(obj, (Module, Optimizer))):
+        for key, obj in present.items():
+            value = values[key]
+            if isinstance(obj, Module):
+                source.load_module(key, obj, value, strict)
+            elif isinstance(obj, Optimizer):
+                source.load_optimizer(key, obj, value)
+            elif is_stateful(obj):
+                obj.load_state_dict(this_rank.get(key, value))
+            else:
+                state[key] = value
     return rest
 
 

@@ -97,12 +97,14 @@ class DiskStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.shown = str(path)
+        self._looked = False  # this process's detect() checked what the path is (a read need not again)
 
     def __repr__(self) -> str:
         return f"DiskStore({self.shown!r})"
 
     def detect(self) -> Found:
         check_loadable(self.path)
+        self._looked = True
         try:
             folder = resolve_for_load(self.path)
         except FileNotFoundError:
@@ -145,7 +147,8 @@ class DiskStore:
             raise
 
     def read_file(self, load: Callable[[int, int, str], T]) -> T:
-        check_loadable(self.path)
+        if not self._looked:
+            check_loadable(self.path)
         if not self.path.exists():
             raise FileNotFoundError(f"Checkpoint file not found: {self.shown!r}")
         if self.path.is_dir():
