@@ -34,10 +34,10 @@ QUICK_RENDEZVOUS = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_att
 pytestmark = [pytest.mark.timing, pytest.mark.procs, pytest.mark.cold, pytest.mark.usefixtures("clean_fabric_env")]
 
 
-def _node(out: Path, port: int, node_rank: int, *options: object) -> subprocess.Popen:
+def _node(out: Path, port: int, node_rank: int, *options: object, **env: str) -> subprocess.Popen:
     return start(fabric_run("--accelerator", "cpu", "--devices", 2, "--num-nodes", "1:2", "--node-rank", node_rank,
                             "--main-port", port, "--rdzv-conf", QUICK_RENDEZVOUS, *options, JOB, out),
-                 env=clean_env(OMP_NUM_THREADS="1"))
+                 env=clean_env(OMP_NUM_THREADS="1", **env))
 
 
 def _saved_step(out: Path) -> int:
@@ -125,11 +125,13 @@ def test_a_node_lost_for_good_leaves_the_job_to_the_other_node(tmp_path: Path) -
 
 @pytest.mark.timeout(240)
 def test_a_node_that_joins_later_is_taken_at_the_next_round(tmp_path: Path) -> None:
-    """Node 0 starts alone (MIN is 1); node 1 joins mid-epoch: both go on together, no restart used up."""
+    """Node 0 starts alone (MIN is 1); node 1 joins mid-epoch: both go on together, no restart used up. Node 0's ranks
+    wait after step 2 while they are 2, so the join lands mid-epoch however slowly node 1 starts (on a loaded machine
+    node 0 had finished the epoch alone before node 1's agent joined)."""
     port = free_port()
-    first = _node(tmp_path, port, 0)
+    first = _node(tmp_path, port, 0, ELASTIC_HOLD="2:4")
     _wait_for_saved_step(tmp_path, 2, [first])
-    second = _node(tmp_path, port, 1)
+    second = _node(tmp_path, port, 1, ELASTIC_HOLD="2:4")
     (code0, _, err0), (code1, _, err1) = finish([first, second], 180)
     assert (code0, code1) == (0, 0), f"node 0:\n{err0[-4000:]}\nnode 1:\n{err1[-4000:]}"
     assert_every_sample_once(tmp_path, before=2, after=4)

@@ -8,6 +8,10 @@ with no knowledge of the number of processes). Every step a rank writes
 ``OUT/w{WORLD_SIZE}-a{RESTART}-rank{R}-step{S}.json`` (the ids it trained on, the step it resumed
 from), then waits ``STEP_S`` so the test can stop a node mid-epoch; rank 0 writes ``OUT/saved`` (the
 step) after each save.
+
+``ELASTIC_HOLD=STEP:WORLD`` in the environment: while the job runs on fewer than WORLD ranks, each rank waits after
+step STEP (up to 150 s) instead of going on, so a node that joins later finds the job mid-epoch however long it
+takes to start; the agents' next round (restarting the ranks on WORLD ranks) ends the wait.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ SAMPLES, BATCH, STEP_S = 64, 2, 0.4
 
 def main() -> None:
     out = Path(sys.argv[1])
+    hold = tuple(int(part) for part in os.environ["ELASTIC_HOLD"].split(":")) if os.environ.get("ELASTIC_HOLD") else None
     seed_everything(11)
     torch.set_num_threads(1)
     fabric = Fabric(accelerator="cpu", strategy="ddp")
@@ -54,6 +59,10 @@ def main() -> None:
         if fabric.global_rank == 0:
             (out / "saved").write_text(str(state["step"]))
         time.sleep(STEP_S)
+        if hold is not None and state["step"] == hold[0] and fabric.world_size < hold[1]:
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline:  # the agent restarts this rank once the other node joined
+                time.sleep(0.1)
 
 
 if __name__ == "__main__":
