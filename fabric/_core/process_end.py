@@ -6,7 +6,8 @@ returns, and rank 0 of a popen job ends at once with ``os._exit`` when another r
 What holds data that is not on disk yet (a logger's buffered rows, TensorBoard's queue of events)
 registers a callback with :func:`at_process_end`. The callbacks run once, in the order registered: from
 ``atexit`` at a normal end, or from :func:`run_process_end_callbacks`, which every ``os._exit`` of a
-fabric process calls first.
+fabric process calls first. Either way the process waits for them at most ``HARD_END_WAIT_S`` (a log upload to
+a store that stopped answering must not keep a job alive), then ends.
 
 Standard library only (``fabric run``'s plumbing imports it).
 """
@@ -22,8 +23,9 @@ from collections.abc import Callable
 
 __all__ = ["HARD_END_WAIT_S", "at_process_end", "run_process_end_callbacks", "run_process_end_callbacks_on_sigterm"]
 
-#: How long a process about to end through ``os._exit`` waits for the callbacks (a log file on a hung
-#: network filesystem must not keep a job from ending).
+#: How long a process about to end waits for the callbacks, at a normal end (atexit) and before an ``os._exit``
+#: (a log file on a hung network filesystem, an upload to a store that stopped answering, must not keep a job
+#: from ending).
 HARD_END_WAIT_S = 10.0
 
 _callbacks: list[Callable[[], None]] = []
@@ -44,8 +46,12 @@ def at_process_end(callback: Callable[[], None]) -> None:
         if callback not in _callbacks:
             _callbacks.append(callback)
         if not _atexit_registered:
-            atexit.register(run_process_end_callbacks)
+            atexit.register(_run_at_exit)
             _atexit_registered = True
+
+
+def _run_at_exit() -> None:
+    run_process_end_callbacks(timeout=HARD_END_WAIT_S)
 
 
 def run_process_end_callbacks(timeout: float | None = None) -> None:
@@ -83,8 +89,17 @@ def run_process_end_callbacks(timeout: float | None = None) -> None:
     if timeout is None:
         run_all()
         return
-    threading.Thread(target=run_all, name="fabric-process-end", daemon=True).start()
-    finished.wait(timeout)
+    try:
+        threading.Thread(target=run_all, name="fabric-process-end", daemon=True).start()
+    except RuntimeError:  # no new thread this late in the interpreter's end: run them here, unbounded
+        run_all()
+        return
+    if not finished.wait(timeout):
+        names = ", ".join(getattr(callback, "__qualname__", repr(callback)) for callback in pending)
+        print(
+            f"[fabric] the work left as the process ended ({names}) did not finish within {timeout:g} s; ending without it",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
 
 
 def run_process_end_callbacks_on_sigterm() -> None:

@@ -9,10 +9,16 @@ stripped) and the extra of fabric-torch that installs the library. Checkpoints o
 No text we make or pass on shows a URL's credentials (a password in it, its query): messages name the URL
 ``redact``-ed; a storage library's error is re-raised as ours (``storage_error``) chained only to a copy without
 them (``without_secrets``); and the filesystem of a URL that holds any cleans every error its calls raise.
+
+Every call to a store has a bound: on an asynchronous filesystem (s3fs, gcsfs, adlfs, http: the object stores) each
+call, and each upload of a file it opened for writing, runs on fsspec's event loop for at most :func:`store_timeout`
+seconds (``FABRIC_STORE_TIMEOUT``, else ``STORE_TIMEOUT_S``); then the request is cancelled there and
+``StoreTimeoutError`` raised here, so a store that stops answering is an error, not a hang.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -35,6 +41,47 @@ _LIBRARIES = {
 
 class MissingStorageLibraryError(ImportError):
     """A URL whose storage library (fsspec, s3fs, ...) is not installed."""
+
+
+#: How long one call to a store may go unanswered, in seconds: one request with the storage library's own retries (a
+#: read of up to 32 MB, an upload part: 50 MB with s3fs, a listing, a removal). The environment variable
+#: ``FABRIC_STORE_TIMEOUT`` takes precedence.
+STORE_TIMEOUT_S: float = 60.0
+STORE_TIMEOUT_ENV = "FABRIC_STORE_TIMEOUT"
+
+
+class StoreTimeoutError(TimeoutError):
+    """A call to a store got no answer within :func:`store_timeout` seconds (its request was cancelled)."""
+
+
+def store_timeout() -> float:
+    """The bound of one call to a store, in seconds: ``FABRIC_STORE_TIMEOUT`` if set, else ``STORE_TIMEOUT_S``."""
+    raw = os.environ.get(STORE_TIMEOUT_ENV, "").strip()
+    value, name = (raw, STORE_TIMEOUT_ENV) if raw else (STORE_TIMEOUT_S, "fabric._core.urls.STORE_TIMEOUT_S")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{name}={value!r} is not valid; accepted: a number of seconds > 0, e.g. 60")
+    return seconds
+
+
+def unreachable(err: BaseException) -> bool:
+    """Whether ``err``, or an error it was raised from or while handling, says the store could not be reached: no
+    answer within the bound, a timeout, a refused, reset or dropped connection (built-in classes, and a storage
+    library's whose name says Timeout or Connection: botocore's, aiohttp's). A clean-up after such an error would
+    only wait again, so none is made: what a failed save left is removed by the next save."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (TimeoutError, ConnectionError)) or any(
+            "Timeout" in cls.__name__ or "Connection" in cls.__name__ for cls in type(current).__mro__
+        ):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def scheme_of(path: Any) -> str | None:
@@ -233,12 +280,70 @@ def filesystem(url: str) -> tuple[Any, str]:
                 f" pip install 'fabric-torch[{extra}]'"
             ) from None
     check_place(url)
+    store_timeout()  # a bad FABRIC_STORE_TIMEOUT is refused before anything is written
     try:
         fs, path = url_to_fs(url)
     except Exception as err:
         raise storage_error(f"Could not open the store of {redact(url)!r}", url, err) from without_secrets(err, url)
+    from fsspec.asyn import AsyncFileSystem
+
+    if isinstance(fs, AsyncFileSystem):
+        fs = _Bounded(fs)
     # a library may repeat the URL, or a part of it, in its errors: with credentials in it, none of them passes uncleaned
     return (_Scrubbed(fs, url) if secrets_of(url) else fs), path
+
+
+def _runs_on_loop(method: Any) -> bool:
+    """Whether ``method`` is an asynchronous filesystem's blocking face of a coroutine (fsspec's ``sync_wrapper``: it
+    takes ``timeout=``)."""
+    import inspect
+
+    return callable(method) and inspect.iscoroutinefunction(getattr(method, "__wrapped__", None))
+
+
+class _Bounded:
+    """An asynchronous fsspec filesystem whose blocking calls each wait at most :func:`store_timeout` seconds: fsspec's
+    ``sync(..., timeout=)`` cancels the request on the event loop, and ``StoreTimeoutError`` is raised here. A file it
+    opens for writing makes its uploads through it (the file's ``fs``), so each of those is bounded too; a read goes
+    through ``cat_file`` (a file open for reading fetches through a path that takes no bound). Setting an attribute sets
+    it on the filesystem itself."""
+
+    def __init__(self, target: Any) -> None:
+        object.__setattr__(self, "_target", target)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_target":  # not set yet (a copy being made): no recursion through __getattr__
+            raise AttributeError(name)
+        if name == "open":
+            return self._open
+        value = getattr(self._target, name)
+        if not _runs_on_loop(value):
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if "timeout" in kwargs:  # the caller's own bound
+                return value(*args, **kwargs)
+            from fsspec.exceptions import FSTimeoutError
+
+            bound = store_timeout()
+            try:
+                return value(*args, timeout=bound, **kwargs)
+            except FSTimeoutError:
+                raise StoreTimeoutError(f"no answer from the store within {bound:g} s ({STORE_TIMEOUT_ENV} sets the bound)") from None
+
+        return call
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target, name, value)
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        file = self._target.open(path, mode, **kwargs)
+        if "r" not in mode and getattr(file, "fs", None) is self._target:
+            file.fs = self  # its uploads (s3fs: call_s3 for each part and the commit) go through the bound
+        return file
+
+    def __repr__(self) -> str:
+        return repr(self._target)
 
 
 class _Scrubbed:
@@ -246,8 +351,11 @@ class _Scrubbed:
     ``err``: the library's own error where it shows no secret of ``url``, else a scrubbed copy without a chain."""
 
     def __init__(self, target: Any, url: str) -> None:
-        self._target = target
-        self._url = url
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_url", url)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._target, name, value)  # (a file given up is marked closed: the file itself)
 
     def __getattr__(self, name: str) -> Any:
         if name in ("_target", "_url"):  # not set yet (a copy being made): no recursion through __getattr__

@@ -81,6 +81,30 @@ def test_a_hung_callback_keeps_a_hard_end_waiting_only_for_the_timeout(registry:
     hang.set()
 
 
+_HUNG_AT_EXIT = """
+import sys, threading
+from fabric._core import process_end
+
+process_end.HARD_END_WAIT_S = float(sys.argv[1])
+process_end.at_process_end(lambda: threading.Event().wait(120))  # an upload to a store that does not answer
+print("ending", flush=True)
+"""
+
+
+@pytest.mark.procs
+@pytest.mark.timing
+@pytest.mark.timeout(60)
+def test_a_hung_callback_keeps_a_normal_end_waiting_only_for_the_bound(tmp_path: Path) -> None:
+    """At a normal end (atexit) too, the process waits for the callbacks at most HARD_END_WAIT_S, says so, and ends."""
+    script = tmp_path / "hung.py"
+    script.write_text(textwrap.dedent(_HUNG_AT_EXIT))
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script), "1"], env=clean_env(), capture_output=True, text=True, timeout=50)
+    assert time.monotonic() - started < 15, result.stderr
+    assert result.returncode == 0 and result.stdout == "ending\n", result.stderr
+    assert "did not finish within 1 s; ending without it" in result.stderr
+
+
 _FORKED = """
 import os, sys
 from fabric._core.process_end import at_process_end, run_process_end_callbacks

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import IO, Any, TypeVar
 
-from fabric._core.urls import error_summary
+from fabric._core.urls import error_summary, unreachable
 from fabric.checkpoint.errors import CommitRecordError, is_pickling_error
 from fabric.checkpoint.storage.objects import (
     FILE_OBJECT,
@@ -94,16 +94,24 @@ class ObjectStore:
     def write_file(self, produce: Callable[[IO[bytes]], None], replace_folder: bool = False) -> None:
         fs, path = self._filesystem()
         generation = new_generation()
+        committing = False
         try:
             digest = write_object(fs, f"{generation_prefix(path, generation)}/{FILE_OBJECT}", produce, self.url)
+            committing = True
             commit(fs, path, self.url, Record("file", generation, {FILE_OBJECT: digest}))
         except BaseException as err:
-            remove_failed_generation(fs, path, self.url, generation)
+            # a store that could not be reached would only keep this call waiting again: the next save cleans up (and
+            # a commit record sent may still land: its generation must stay whole)
+            silent = unreachable(err)
+            if not silent:
+                remove_failed_generation(fs, path, self.url, generation)
             expected = (TypeError, ValueError, ConcurrentSaveError)  # the state's fault, or the other save's checkpoint is there
             if isinstance(err, Exception) and not isinstance(err, expected) and not is_pickling_error(err):
-                raise OSError(
-                    f"Could not save the checkpoint {self.shown!r}: {type(err).__name__}: {_first_line(err)}"
-                    " (the previous checkpoint, if any, is unchanged)"
+                kept = "the previous checkpoint, if any, is unchanged"
+                if silent and committing:
+                    kept = "the checkpoint there is the previous one, if any, or this one, whole: the commit record was on its way"
+                raise (TimeoutError if isinstance(err, TimeoutError) else OSError)(
+                    f"Could not save the checkpoint {self.shown!r}: {type(err).__name__}: {_first_line(err)} ({kept})"
                 ) from err
             raise
 

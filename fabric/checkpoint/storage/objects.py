@@ -39,6 +39,7 @@ from fabric._core.urls import (
     redact,
     scheme_of,
     storage_error,
+    unreachable,
     without_secrets,
 )
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
@@ -272,16 +273,23 @@ def remove_generations(fs: Any, path: str) -> None:
 
 
 class _Digesting:
-    """A write-only file that passes everything to ``file`` and keeps its size and CRC-32."""
+    """A write-only file that passes everything to ``file`` and keeps its size and CRC-32, and the first error a write
+    to ``file`` raised (``error``: torch.save reports it only as "unexpected pos")."""
 
     def __init__(self, file: Any) -> None:
         self._file = file
         self.size = 0
         self.crc = 0
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._file.write(view)
+        try:
+            self._file.write(view)
+        except BaseException as err:
+            if self.error is None:
+                self.error = err
+            raise
         self.size += len(view)
         self.crc = crc32(view, self.crc)
         return len(view)
@@ -328,22 +336,41 @@ def item_crcs_of_file(local: Path, spans: Sequence[tuple[int, int]]) -> list[int
 
 
 def write_object(fs: Any, path: str, produce: Callable[[Any], None], where: str) -> dict[str, Any]:
-    """Write ``produce(file)`` into the object ``path``; its size and CRC-32. A failed write is discarded."""
+    """Write ``produce(file)`` into the object ``path``; its size and CRC-32. A failed write is given up (``_give_up``)
+    and raises the store's own error where the store failed (not torch's "unexpected pos" for it)."""
     file = fs.open(path, "wb")
+    digesting = _Digesting(file)
     try:
-        digesting = _Digesting(file)
         produce(digesting)
         file.close()
-    except BaseException:
+    except BaseException as err:
+        failed = digesting.error if digesting.error is not None else err
+        answers = not unreachable(failed)
+        _give_up(file, answers)
+        if answers:
+            _remove_quietly(fs, path)
+        if failed is not err:
+            raise failed from failed.__cause__  # its own cause, if any, without torch's error about it
+        raise
+    return {"size": digesting.size, "crc32": digesting.crc}
+
+
+def _give_up(file: Any, store_answers: bool) -> None:
+    """A file open for writing whose object will not be made: where the store answers, the library throws away what it
+    sent (s3fs aborts its multipart upload); then the file is marked closed without a flush, so that collecting it
+    sends nothing (fsspec closes a collected file, uploading what it buffered: after a store stopped answering, that
+    upload waited on the store as the process ended, and kept it from ending)."""
+    if store_answers:
         discard = getattr(file, "discard", None)
         try:
             if callable(discard):
                 discard()
         except Exception:
             pass
-        _remove_quietly(fs, path)
-        raise
-    return {"size": digesting.size, "crc32": digesting.crc}
+    try:
+        file.closed = True
+    except Exception:  # a file whose `closed` cannot be set is closed by other means or holds nothing to send
+        pass
 
 
 def upload_file(fs: Any, local: Path, path: str, where: str) -> dict[str, Any]:
@@ -533,22 +560,24 @@ def _expected(record: Record, name: str, url: str) -> dict[str, Any]:
 
 
 def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: int, local: Path | None = None) -> None:
+    """The object read in GETs of up to 32 MB (each one call to the store, so each bounded: ``cat_file``)."""
     expected = _expected(record, name, url)
     where = _where(url, record, name)
-    size, crc = 0, 0
+    remote = f"{generation_prefix(path, record.generation)}/{name}"
     try:
-        with fs.open(f"{generation_prefix(path, record.generation)}/{name}", "rb") as source:
-            while True:
-                chunk = source.read(_CHUNK)
-                if not chunk:
-                    break
-                crc = crc32(chunk, crc)
-                size += len(chunk)
-                _write_all(fd, chunk, size - len(chunk) if local is not None else None, where, local)
+        size = fs.size(remote)
     except FileNotFoundError:
         raise CommitRecordError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
     if size != expected["size"]:
         raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
+    position, crc = 0, 0
+    while position < size:
+        piece = fs.cat_file(remote, start=position, end=min(size, position + _RANGE_PIECE))
+        if not piece:
+            raise CommitRecordError(f"{where} ends at byte {position}, before byte {size} (truncated while it was read)")
+        crc = crc32(piece, crc)
+        _write_all(fd, piece, position if local is not None else None, where, local)
+        position += len(piece)
     if crc != expected["crc32"]:
         raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import fabric.checkpoint.storage.objects as storage
-from fabric._core.urls import error_summary
+from fabric._core.urls import error_summary, unreachable
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
 from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE, check_data_files_belong, data_files_written
 
@@ -155,6 +155,7 @@ class StoreSave:
         self.folder = storage.new_staging("save")
         self._unreachable: Exception | None = None
         self._files: _UploadingFileSystem | None = None
+        self._silent = False  # the store could not be reached from this rank: no clean-up call (it would only wait)
 
     def writer(self, nbytes: int) -> Any:
         start: Callable[[Path], storage.GrowingUpload] | None = None
@@ -197,6 +198,7 @@ class StoreSave:
                 uploaded[INDEX_FILE] = storage.upload_file(fs, self.folder / INDEX_FILE, f"{prefix}/{INDEX_FILE}", self.url)
             return {"data_files": data_files, "uploaded": uploaded}
         except Exception as err:
+            self._silent = unreachable(err)
             return {"error": f"uploading rank {rank}'s part failed: {type(err).__name__}: {_scrub(err, self.url)}"}
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -210,14 +212,21 @@ class StoreSave:
     def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
         fs, path = storage.filesystem(self.url)
         prefix = storage.generation_prefix(path, self.generation)
-        self._uploaded[OBJECTS_FILE] = storage.write_object(fs, f"{prefix}/{OBJECTS_FILE}", write_objects, self.url)
-        storage.commit(fs, path, self.url, storage.Record("sharded", self.generation, self._uploaded))
+        try:
+            self._uploaded[OBJECTS_FILE] = storage.write_object(fs, f"{prefix}/{OBJECTS_FILE}", write_objects, self.url)
+            storage.commit(fs, path, self.url, storage.Record("sharded", self.generation, self._uploaded))
+        except BaseException as err:
+            self._silent = unreachable(err)  # (a commit record sent may still land: its generation must stay whole)
+            raise
 
     def describe(self, err: BaseException) -> str:
         return _scrub(err, self.url)
 
     def abort(self) -> None:
-        """Every rank is done uploading: this save's generation goes, unless the record names it."""
+        """Every rank is done uploading: this save's generation goes, unless the record names it, or this rank could not
+        reach the store (the next save removes it)."""
+        if self._silent:
+            return
         try:
             fs, path = storage.filesystem(self.url)
         except Exception:
