@@ -215,6 +215,14 @@ def reads_like_a_lost_peer(text: str) -> bool:
     return bool(_DISTRIBUTED_RE.search(text))
 
 
+_CLOSED_RE = re.compile(r"connection (?:reset|closed) by peer|broken pipe|connection reset|peer closed", re.IGNORECASE)
+
+
+def reads_like_a_closed_connection(text: str) -> bool:
+    """Whether a traceback reads like a peer's end seen from here: its connection closed or reset (not a timeout)."""
+    return bool(_CLOSED_RE.search(text)) and not _TIMEOUT_RE.search(text)
+
+
 def looks_like_collective_timeout(text: str) -> bool:
     """Whether a traceback reads like a collective (or the rendezvous) giving up on absent ranks."""
     return bool(_TIMEOUT_RE.search(text)) and bool(_DISTRIBUTED_RE.search(text))

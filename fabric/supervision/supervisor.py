@@ -41,7 +41,14 @@ from enum import Enum
 from typing import Any, Protocol
 
 from fabric._core.processes import kill_process_groups, signal_name
-from fabric.supervision.diagnosis import create_job_dir, diagnose, read_failures, reads_like_a_lost_peer, remove_job_dir
+from fabric.supervision.diagnosis import (
+    create_job_dir,
+    diagnose,
+    read_failures,
+    reads_like_a_closed_connection,
+    reads_like_a_lost_peer,
+    remove_job_dir,
+)
 from fabric.supervision.signals import SignalForwarding, SignalPipe
 
 __all__ = [
@@ -66,6 +73,10 @@ POLL_S = 0.1
 #: After a rank reports an exception, how long to look for a peer that died abruptly (the likelier
 #: root cause) before blaming the rank that raised.
 SETTLE_S = 0.25
+#: The same when the exception reads like a peer's closed connection ("connection reset by peer"): a peer is
+#: ending, and on a loaded machine its end can be seen later than its closed sockets; the wait ends as soon as a
+#: peer is seen ended.
+LOST_PEER_SETTLE_S = 5.0
 
 
 def describe_exit(rank: int, exitcode: int | None, *, raised: bool = False) -> str:
@@ -447,10 +458,15 @@ class Supervisor:
         first to raise. ``own_raised_at``: when the calling process (a rank itself, not among
         :attr:`ranks`) raised; None (the calling rank) when it was first.
         """
-        deadline = time.monotonic() + settle
+        start = time.monotonic()
+        deadline = start + settle
         while True:
             states = self._states()
             died = [handle for handle, state in states if self._died(handle, state)]
+            if not died and self._echoes_a_lost_peer(states, own_trace):
+                if any(state is RankState.SUCCEEDED or reported_exit(handle) is not None for handle, state in states):
+                    break  # the peer whose loss the exception reads as is seen ended
+                deadline = max(deadline, start + LOST_PEER_SETTLE_S)
             remaining = deadline - time.monotonic()
             if died or remaining <= 0 or not self.alive():
                 break
@@ -471,6 +487,11 @@ class Supervisor:
             if early:
                 return min(early, key=lambda handle: (self._end_time(handle), handle.rank))
         return None if own_first else first  # None: the calling rank raised first
+
+    def _echoes_a_lost_peer(self, states: list[tuple[RankProcess, RankState]], own_trace: str | None) -> bool:
+        """Whether the exceptions known so far read like a peer's closed connection (the echo of another rank's end)."""
+        traces = [own_trace, *(self._trace_of(handle) for handle, state in states if state is RankState.RAISED)]
+        return any(trace is not None and reads_like_a_closed_connection(trace) for trace in traces)
 
     def _trace_of(self, handle: RankProcess | None) -> str | None:
         """The traceback ``handle``'s rank sent or recorded in the job folder (None: not known)."""

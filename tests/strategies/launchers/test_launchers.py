@@ -221,6 +221,7 @@ def test_popen_reruns_python_dash_m(run_job):
         ("exit", "rank 1 exited with code 3"),
     ],
 )
+@pytest.mark.timing  # a bound on how fast a failing job is torn down: alone, not beside other tests
 def test_popen_child_failure_ends_the_job(run_job, how, expected):
     nprocs = 3 if how == "exception" else 2  # keep the run time down on small CI machines
     job = run_job(
@@ -251,6 +252,7 @@ def test_popen_blames_the_dead_rank_not_its_echoes(run_job):
     assert len(reports) == 1 and "rank 1 was killed by SIGKILL" in reports[0], job.stderr
 
 
+@pytest.mark.timing  # a bound on how fast a failing job is torn down: alone, not beside other tests
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_child_failure_after_rank0_returned(run_job):
@@ -274,6 +276,7 @@ def test_popen_counts_only_the_ranks_still_running_as_the_others(run_job):
     assert reports[0].endswith("; stopping the other 1 rank(s) on this node"), job.stderr
 
 
+@pytest.mark.timing  # a bound on how fast a failing job is torn down: alone, not beside other tests
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["exception", "sysexit"])
@@ -301,6 +304,7 @@ def test_popen_kill_called_by_the_strategy(run_job):
     assert "[fabric]" not in job.stderr  # the deliberate kill is no second failure report
 
 
+@pytest.mark.timing  # a bound on how fast a failing job is torn down: alone, not beside other tests
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_popen_rank0_sigkilled_children_stop_themselves(run_job):
@@ -316,6 +320,7 @@ def test_popen_rank0_sigkilled_children_stop_themselves(run_job):
     assert "the launching process" in job.stderr
 
 
+@pytest.mark.timing  # a bound on how fast a failing job is torn down: alone, not beside other tests
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("signum", "codes"), [(signal.SIGINT, (130, -2)), (signal.SIGTERM, (143, -15))])
@@ -468,6 +473,7 @@ def test_bad_start_method():
         MultiprocessingLauncher(StandInStrategy(1), start_method="bogus")
 
 
+@pytest.mark.timing  # a bound on how fast a failing job is torn down: alone, not beside other tests
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_fork_worker_killed_by_signal(run_job):
@@ -488,6 +494,7 @@ def test_fork_worker_killed_by_signal(run_job):
     ("start_method", "signum", "codes"),
     [("spawn", signal.SIGTERM, (143,)), ("fork", signal.SIGINT, (130, -2)), ("fork", signal.SIGKILL, (-9,))],
 )
+@pytest.mark.timing  # a bound on how fast a failing job is torn down: alone, not beside other tests
 def test_multiprocessing_launcher_killed(run_job, start_method, signum, codes):
     job = run_job("mp_job", "--start-method", start_method, "--nprocs", "2", "--block", "--grandchild")
     job.wait_for_ranks(2)
