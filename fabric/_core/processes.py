@@ -11,14 +11,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import NoReturn
 
 from fabric._core.process_end import HARD_END_WAIT_S, run_process_end_callbacks
 
 __all__ = [
+    "FLUSH_WAIT_S",
     "become_group_leader",
     "descendant_pids",
+    "end_process",
     "flush_stdio",
     "kill_own_group_and_exit",
     "kill_process_groups",
@@ -39,13 +43,50 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def flush_stdio() -> None:
-    """Flush Python's stdout/stderr buffers before an ``os._exit``."""
+def flush_stdio(timeout: float | None = None) -> None:
+    """Flush Python's stdout/stderr buffers before an ``os._exit``.
+
+    ``timeout``: wait at most this long (the flush then goes on in a daemon thread, which the coming ``os._exit``
+    ends): a stream whose lock another thread holds while it is blocked in a write (a pipe nobody reads) must not
+    keep a process that has to end alive.
+    """
+    if timeout is None:
+        _flush_stdio()
+        return
+    done = threading.Event()
+
+    def flush() -> None:
+        _flush_stdio()
+        done.set()
+
+    try:
+        threading.Thread(target=flush, name="fabric-flush", daemon=True).start()
+    except RuntimeError:  # no new thread this late in the interpreter's end
+        return
+    done.wait(timeout)
+
+
+def _flush_stdio() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
+
+
+#: How long a process that must end waits for its stdout/stderr buffers to be flushed.
+FLUSH_WAIT_S = 1.0
+
+
+def end_process(exit_code: int, wait: float) -> NoReturn:
+    """End this process now with ``exit_code``, whatever its other threads do (one blocked in I/O included).
+
+    What must reach disk first (``fabric._core.process_end``: the loggers' last rows and events) gets at most
+    ``wait`` seconds, the stdio buffers at most :data:`FLUSH_WAIT_S` more; then ``os._exit``, from any thread.
+    """
+    run_process_end_callbacks(timeout=wait)
+    flush_stdio(timeout=FLUSH_WAIT_S)
+    os._exit(exit_code)
 
 
 def _read_stat(pid: int) -> tuple[str, int, int] | None:
@@ -205,7 +246,7 @@ def kill_own_group_and_exit(exit_code: int, grace: float) -> None:
     the loggers' last rows and events) is written before anything is stopped.
     """
     run_process_end_callbacks(timeout=HARD_END_WAIT_S)
-    flush_stdio()
+    flush_stdio(timeout=FLUSH_WAIT_S)
     pgid = os.getpgrp()
     if pgid == os.getpid():
         # SIGTERM usually ends us right here; the SIGKILL is for handlers that ignore it.

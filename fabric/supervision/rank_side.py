@@ -9,6 +9,9 @@ The parent-death policy, the same for every rank a fabric supervisor starts:
   :func:`follow_supervisor` takes over with a watchdog thread: when the supervisor is gone, the rank
   stops itself *and its process group* (DataLoader workers, shell commands), which the kernel's
   signal alone would leave behind.
+* When the rank's interpreter begins to end, the kernel takes over again (``PR_SET_PDEATHSIG``, SIGKILL): once
+  the interpreter finalizes, no daemon thread runs again, the watchdog included, while what is collected then
+  (a file on a store left open uploads itself as it closes) may hang with nobody watching.
 
 A rank tells its supervisor that it raised through an inherited pipe (:func:`report_raise`), before
 its interpreter shutdown, which may take long or hang.
@@ -18,7 +21,9 @@ Only the standard library is used, so importing this module is cheap.
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,6 +48,8 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1
+#: how long a rank that is ending waits to tell why on stderr (a stream blocked by another thread must not hold it)
+_SAY_WAIT_S = 1.0
 
 # Started in place of the rank's command: bind to the supervisor's death, then become the command. A
 # fresh interpreter rather than preexec_fn, which is unsafe once the starting process has threads.
@@ -83,9 +90,12 @@ def follow_supervisor(rank: int, supervisor_pid: int, expected_ppid: int | None 
     Polling ``getppid`` catches every way the supervisor can end, ``SIGKILL`` included.
     ``supervisor_pid`` is also checked directly for ranks whose parent is a helper (the multiprocessing
     fork server) rather than the supervisor. The kernel's parent-death signal is cleared: from here on
-    the watchdog decides, and it takes the rank's subprocesses along.
+    the watchdog decides, and it takes the rank's subprocesses along, until the interpreter begins to end,
+    where the kernel's SIGKILL on the parent's death is set again (the watchdog does not outlive the
+    interpreter's finalization).
     """
     ppid = os.getppid() if expected_ppid is None else expected_ppid
+    me = os.getpid()
     _set_parent_death_signal(0)
 
     def gone() -> bool:
@@ -93,14 +103,34 @@ def follow_supervisor(rank: int, supervisor_pid: int, expected_ppid: int | None 
             return True  # our parent exited and we were re-parented
         return supervisor_pid != ppid and not process_alive(supervisor_pid)
 
-    def watch() -> None:
-        while not gone():
-            time.sleep(POLL_S)
+    stopping = threading.Lock()
+
+    def stop() -> None:
+        if not stopping.acquire(blocking=False):  # the watchdog or the exit hook is ending this rank already
+            while True:
+                time.sleep(60)
         write_stderr(
-            f"[rank {rank}] the launching process (pid {supervisor_pid}) is gone; stopping this rank and its subprocesses"
+            f"[rank {rank}] the launching process (pid {supervisor_pid}) is gone; stopping this rank and its subprocesses",
+            timeout=_SAY_WAIT_S,
         )
         kill_own_group_and_exit(1, GRACE_S)
 
+    def watch() -> None:
+        while not gone():
+            time.sleep(POLL_S)
+        stop()
+
+    def at_shutdown() -> None:
+        # The interpreter is ending (registered now, this runs after every exit hook registered later). Once it
+        # finalizes, the watchdog (a daemon thread) never runs again, and an object collected then may hang (a file on
+        # a store left open uploads itself as it closes): the kernel's SIGKILL takes over the supervisor's death.
+        if os.getpid() != me:  # a forked copy of this rank
+            return
+        _set_parent_death_signal(signal.SIGKILL)
+        if gone():  # gone before the kernel was asked: nobody would tell us any more
+            stop()
+
+    atexit.register(at_shutdown)
     thread = threading.Thread(target=watch, name=f"fabric-supervisor-watchdog-rank{rank}", daemon=True)
     thread.start()
     return thread
@@ -144,12 +174,27 @@ def exit_status_of(code: object) -> int:
 # --------------------------------------------------------------------------------------
 
 
-def write_stderr(message: str) -> None:
+def write_stderr(message: str, timeout: float | None = None) -> None:
     """Write to the process's real stderr in one system call, ignoring a closed or broken one (we may be dying).
 
     Not through ``sys.stderr``: torch.distributed's excepthook points it at a buffer while the hook it wrapped
     runs, and a report another thread wrote there then was lost when the process ended (``os._exit``).
+    ``timeout``: wait at most this long (the write goes on in a daemon thread): a process about to end must not
+    stay because another thread blocked stderr (a full pipe nobody reads).
     """
+    if timeout is not None:
+        done = threading.Event()
+
+        def write() -> None:
+            write_stderr(message)
+            done.set()
+
+        try:
+            threading.Thread(target=write, name="fabric-say", daemon=True).start()
+        except RuntimeError:  # no new thread this late in the interpreter's end
+            return
+        done.wait(timeout)
+        return
     try:
         if sys.__stderr__ is not None:
             sys.__stderr__.flush()  # what was written before goes first

@@ -1,7 +1,9 @@
 """The signals that reach a supervisor: how it hears them, and which it passes on to the ranks.
 
 :class:`SignalPipe` makes a signal to the supervising process readable as a descriptor, so a
-supervisor waiting in ``poll`` (on any thread) acts on it at once.
+supervisor waiting in ``poll`` (on any thread) acts on it at once. :class:`SignalTap` tells a callback on a
+thread of its own of each delivery at once, so a rank whose main thread is blocked (in an upload, in a
+collective) still acts on a signal (the pre-emption listener's second SIGTERM).
 
 :class:`SignalForwarding` is what ``fabric run`` does with the cluster's pre-emption warnings. SLURM
 (``--signal=USR1@90``, or SIGTERM on pre-emption) and Kubernetes (SIGTERM, then SIGKILL after the
@@ -26,16 +28,18 @@ Only the standard library is used (``fabric run`` imports this module before any
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from fabric._core.processes import signal_name
 
-__all__ = ["FORWARDED_SIGNALS", "SHUTDOWN_TIMEOUT_S", "SignalForwarding", "SignalPipe", "supervising_signals"]
+__all__ = ["FORWARDED_SIGNALS", "SHUTDOWN_TIMEOUT_S", "SignalForwarding", "SignalPipe", "SignalTap", "supervising_signals"]
 
 #: the warnings passed on to the ranks instead of stopping the job
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -102,6 +106,113 @@ class SignalPipe:
         os.close(self.fd)
         os.close(self._write_fd)
         self.fd = self._write_fd = None
+
+
+class SignalTap:
+    """Each delivery of the ``watched`` signals told at once to ``on_signal(signum)``, on a daemon thread of its own.
+
+    The same wakeup descriptor as :class:`SignalPipe` (the C-level handler writes each delivered signal's number to it
+    at once, whatever the main thread is doing), read by the tap's thread, which calls ``on_signal`` in the order of
+    delivery. Python's own handler of the signal must stay installed (the caller's): without one the signal keeps its
+    default action. A wakeup descriptor set before (a supervisor's ``SignalPipe``, an event loop's) keeps getting
+    every byte: the tap passes them on. Only the main thread can set the tap up; elsewhere, or where the descriptor
+    cannot be set, ``installed`` is False and the caller's handler is all there is. A forked child stops feeding the
+    tap (it has no thread reading it): :func:`_release_taps_in_child`.
+    """
+
+    def __init__(self, watched: Iterable[int], on_signal: Callable[[int], object]) -> None:
+        self.watched = frozenset(watched)
+        self._on_signal = on_signal
+        self._read_fd: int | None = None
+        self._write_fd: int | None = None
+        self._next_fd: int | None = None  # a copy of the descriptor set before ours: every byte goes on to it
+        self._owner = os.getpid()
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        try:
+            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        if previous != -1:
+            try:
+                self._next_fd = os.dup(previous)  # its pipe stays open for us even after its owner closes it
+            except OSError:
+                self._next_fd = None
+        self._read_fd, self._write_fd = read_fd, write_fd
+        _TAPS.add(self)
+        threading.Thread(target=self._run, name="fabric-signal-tap", daemon=True).start()
+
+    @property
+    def installed(self) -> bool:
+        """Whether the tap hears the signals in this process (its thread reads them)."""
+        return self._read_fd is not None and os.getpid() == self._owner
+
+    def _run(self) -> None:
+        read_fd = self._read_fd
+        if read_fd is None:
+            return
+        poller = select.poll()
+        poller.register(read_fd, select.POLLIN)
+        while True:
+            poller.poll()  # the GIL is released while it waits
+            try:
+                data = os.read(read_fd, 512)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            self._pass_on(data)
+            for signum in data:
+                if signum in self.watched:
+                    self._on_signal(signum)
+
+    def _pass_on(self, data: bytes) -> None:
+        if self._next_fd is None:
+            return
+        try:
+            os.write(self._next_fd, data)
+        except BlockingIOError:
+            pass  # its pipe is full: its owner drops the signal, as it would have without us
+        except OSError:  # nobody reads it any more
+            os.close(self._next_fd)
+            self._next_fd = None
+
+    def release_in_child(self) -> None:
+        """In a forked copy of the process: stop feeding the tap (no thread reads it here) and drop its descriptors."""
+        if self._write_fd is None:
+            return
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous != self._write_fd:
+                signal.set_wakeup_fd(previous)  # not ours: leave it alone
+        except (ValueError, OSError):
+            pass
+        for fd in (self._read_fd, self._write_fd, self._next_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._read_fd = self._write_fd = self._next_fd = None
+
+
+_TAPS: weakref.WeakSet[SignalTap] = weakref.WeakSet()
+
+
+def _release_taps_in_child() -> None:
+    for tap in list(_TAPS):
+        tap.release_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_release_taps_in_child)
 
 
 class SignalForwarding:

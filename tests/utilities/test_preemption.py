@@ -26,9 +26,11 @@ import torch
 from support import PYTHON
 from support.environment import clean_env, free_port
 from support.loading import script_path
-from support.processes import fabric_run, finish, start
+from support.processes import alive, fabric_run, finish, read_ranks, start, wait_dead, wait_for_files
+from support.silent_store import silent_store
 
 JOB = script_path("resilience", "keep_going_job.py")
+HUNG = script_path("resilience", "hung_upload.py")
 TOTAL_STEPS = 16  # 2 epochs x 8 steps per rank (64 samples, batch 4, 2 ranks)
 
 pytestmark = [pytest.mark.cold, pytest.mark.usefixtures("clean_fabric_env")]
@@ -197,6 +199,79 @@ def test_one_process_hears_the_signal_once_listening(name: str, subprocess_env) 
                             capture_output=True, text=True, timeout=50)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["before", "False", "after", "True", "True"]
+
+
+_TOLD_AGAIN = textwrap.dedent(
+    """
+    import os, signal, time
+    from fabric import Fabric
+    fabric = Fabric(accelerator="cpu", devices=1)
+    assert not fabric.preempted
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the same warning twice (scheduler and launcher): the process goes on
+    time.sleep(0.5)
+    print("warned", fabric.preempted, flush=True)
+    time.sleep(1.5)
+    os.kill(os.getpid(), signal.SIGTERM)  # later: told again, it ends
+    time.sleep(30)
+    print("not ended", flush=True)
+    """
+)
+
+
+@pytest.mark.timing
+@pytest.mark.procs
+@pytest.mark.timeout(90)
+def test_a_repeat_at_once_is_the_same_warning_and_a_later_sigterm_ends_the_process(subprocess_env) -> None:
+    result = subprocess.run([sys.executable, "-c", _TOLD_AGAIN], env=subprocess_env, capture_output=True, text=True,
+                            timeout=80)
+    assert result.stdout.split() == ["warned", "True"], result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+    assert "rank 0 received SIGTERM again" in result.stderr
+
+
+@pytest.mark.timing
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["upload", "collective"])
+def test_a_second_sigterm_ends_a_listening_rank_stuck_in_a_hung_upload_or_collective(tmp_path: Path, where: str) -> None:
+    """The first SIGTERM is the warning (the rank goes on); a second one, later, ends it within seconds with 143.
+
+    upload: one process, its main thread in an upload to a store that never answers. collective: rank 1 of a
+    2-rank ``fabric run`` job, waiting in torch's C++ code for rank 0's outcome of that upload (a main thread there
+    runs no Python signal handler); the job then ends with rank 1's status.
+    """
+    with silent_store() as store:
+        env = clean_env(OMP_NUM_THREADS="1", **store)
+        if where == "upload":
+            proc, target = start([PYTHON, str(HUNG), str(tmp_path), "--hang", "save"], env=env), 0
+        else:
+            command = fabric_run("--devices", "2", HUNG, tmp_path, "--hang", "save")
+            proc, target = start(command, env=env), 1
+        try:
+            wait_for_files(tmp_path, "rank*.json", 2 if where == "collective" else 1, timeout=150)
+            pid = read_ranks(tmp_path)[target]["pid"]
+            time.sleep(2)  # well inside the upload (or the collective)
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(2)
+            assert alive(pid), "the first SIGTERM is only the warning: the rank goes on"
+            os.kill(pid, signal.SIGTERM)
+            second = time.monotonic()
+            wait_dead([pid], timeout=20)
+            took = time.monotonic() - second
+        except BaseException:  # nothing of the job outlives a failed test
+            for pid in [proc.pid, *(rank["pid"] for rank in read_ranks(tmp_path).values())]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise
+        finally:
+            [(code, _, err)] = finish([proc], 60)
+    assert took < 10, took  # a bounded flush (2 s) on a loaded machine
+    assert code == 128 + signal.SIGTERM, err[-4000:]
+    assert f"rank {target} received SIGTERM again" in err, err[-4000:]
+    assert not list(tmp_path.glob("saved-rank*"))
 
 
 def test_requeue_job_id_of_an_array_task(monkeypatch) -> None:
