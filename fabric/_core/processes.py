@@ -53,14 +53,20 @@ def flush_stdio(timeout: float | None = None) -> None:
     if timeout is None:
         _flush_stdio()
         return
+    run_for_at_most(_flush_stdio, timeout, "fabric-flush")
+
+
+def run_for_at_most(function: Callable[[], object], timeout: float, name: str) -> None:
+    """Run ``function`` in a daemon thread and wait for it at most ``timeout`` seconds (it goes on after that, until
+    the process ends). Nothing runs when no thread can start this late in the interpreter's end."""
     done = threading.Event()
 
-    def flush() -> None:
-        _flush_stdio()
+    def run() -> None:
+        function()
         done.set()
 
     try:
-        threading.Thread(target=flush, name="fabric-flush", daemon=True).start()
+        threading.Thread(target=run, name=name, daemon=True).start()
     except RuntimeError:  # no new thread this late in the interpreter's end
         return
     done.wait(timeout)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from fabric._core.processes import flush_stdio, kill_own_group_and_exit, process_alive
+from fabric._core.processes import flush_stdio, kill_own_group_and_exit, process_alive, run_for_at_most
 from fabric.supervision.supervisor import GRACE_S, POLL_S
 
 __all__ = [
@@ -183,17 +183,7 @@ def write_stderr(message: str, timeout: float | None = None) -> None:
     stay because another thread blocked stderr (a full pipe nobody reads).
     """
     if timeout is not None:
-        done = threading.Event()
-
-        def write() -> None:
-            write_stderr(message)
-            done.set()
-
-        try:
-            threading.Thread(target=write, name="fabric-say", daemon=True).start()
-        except RuntimeError:  # no new thread this late in the interpreter's end
-            return
-        done.wait(timeout)
+        run_for_at_most(lambda: write_stderr(message), timeout, "fabric-say")
         return
     try:
         if sys.__stderr__ is not None:

@@ -559,8 +559,9 @@ def _expected(record: Record, name: str, url: str) -> dict[str, Any]:
     return expected
 
 
-def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: int, local: Path | None = None) -> None:
-    """The object read in GETs of up to 32 MB (each one call to the store, so each bounded: ``cat_file``)."""
+def _listed_object(fs: Any, path: str, record: Record, name: str, url: str) -> tuple[str, str, int]:
+    """(path on the store, how messages name it, size) of the object ``name`` of ``record``, there with the size the
+    record lists (else CommitRecordError)."""
     expected = _expected(record, name, url)
     where = _where(url, record, name)
     remote = f"{generation_prefix(path, record.generation)}/{name}"
@@ -570,6 +571,12 @@ def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: in
         raise CommitRecordError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
     if size != expected["size"]:
         raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
+    return remote, where, size
+
+
+def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: int, local: Path | None = None) -> None:
+    """The object read in GETs of up to 32 MB (each one call to the store, so each bounded: ``cat_file``)."""
+    remote, where, size = _listed_object(fs, path, record, name, url)
     position, crc = 0, 0
     while position < size:
         piece = fs.cat_file(remote, start=position, end=min(size, position + _RANGE_PIECE))
@@ -578,7 +585,7 @@ def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: in
         crc = crc32(piece, crc)
         _write_all(fd, piece, position if local is not None else None, where, local)
         position += len(piece)
-    if crc != expected["crc32"]:
+    if crc != record.objects[name]["crc32"]:
         raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
 
 
@@ -612,15 +619,7 @@ def fetch_items(
     CRC-32 in ``crcs`` (from the commit record: :func:`item_crcs`). Items closer together than 1 MiB are read
     in one GET. A missing object, one of another size, or an item whose bytes differ raises CommitRecordError
     naming the object (and the item)."""
-    expected = _expected(record, name, url)
-    where = _where(url, record, name)
-    remote = f"{generation_prefix(path, record.generation)}/{name}"
-    try:
-        size = fs.size(remote)
-    except FileNotFoundError:
-        raise CommitRecordError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
-    if size != expected["size"]:
-        raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
+    remote, where, _ = _listed_object(fs, path, record, name, url)
     fd = os.open(local, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         unique = {(offset, length): held for offset, length, held in items}
