@@ -461,14 +461,16 @@ class Supervisor:
         start = time.monotonic()
         deadline = start + settle
         while True:
-            states = self._states()
+            # one poll per round: a rank that ends between two polls would be "not alive" yet not "died"
+            codes = self._exit_codes()
+            states = self._states(codes)
             died = [handle for handle, state in states if self._died(handle, state)]
             if not died and self._echoes_a_lost_peer(states, own_trace):
                 if any(state is RankState.SUCCEEDED or reported_exit(handle) is not None for handle, state in states):
                     break  # the peer whose loss the exception reads as is seen ended
                 deadline = max(deadline, start + LOST_PEER_SETTLE_S)
             remaining = deadline - time.monotonic()
-            if died or remaining <= 0 or not self.alive():
+            if died or remaining <= 0 or all(code is not None for code in codes):
                 break
             self._watch(min(remaining, POLL_S))
         if died:
@@ -544,9 +546,10 @@ class Supervisor:
                 self._ended_at.setdefault(handle.rank, now)
         return codes
 
-    def _states(self) -> list[tuple[RankProcess, RankState]]:
-        """Each rank with its state; every rank is polled before any ``raised_at`` is read."""
-        return [(handle, rank_state(handle, code)) for handle, code in zip(self.ranks, self._exit_codes())]
+    def _states(self, codes: list[int | None] | None = None) -> list[tuple[RankProcess, RankState]]:
+        """Each rank with its state; every rank is polled (or ``codes`` were) before any ``raised_at`` is read."""
+        codes = self._exit_codes() if codes is None else codes
+        return [(handle, rank_state(handle, code)) for handle, code in zip(self.ranks, codes)]
 
     def _watch(self, timeout: float) -> None:
         """Sleep until a rank ends or reports, a signal arrives, or ``timeout`` passes; take the news in."""

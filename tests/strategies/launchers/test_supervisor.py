@@ -275,3 +275,34 @@ def test_the_supervisor_reports_each_ranks_state() -> None:
         supervisor.stop()
         supervisor.close()
     assert supervisor.states()[3] is RankState.DIED  # stopped by SIGTERM: not a rank that succeeded
+
+
+class _EndsBetweenPolls:
+    """A rank handle whose process is seen running at the first poll and ended with ``code`` at every later one."""
+
+    def __init__(self, rank: int, code: int) -> None:
+        self.rank, self.pid, self.raised_at, self.traceback = rank, 4242, None, None
+        self._code, self.polls = code, 0
+
+    def poll(self) -> int | None:
+        self.polls += 1
+        return None if self.polls == 1 else self._code
+
+    def fds(self) -> list[int]:
+        return []
+
+    def take_reports(self, ready: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_rank_that_ends_while_the_cause_is_sought_is_the_cause_of_the_echo_in_the_calling_rank() -> None:
+    # rank 0 (the caller) raised "connection reset by peer" because rank 1 did os._exit(5); rank 1 is still
+    # running at the first poll and has ended by the next: it is the cause, whichever poll saw it end
+    supervisor = Supervisor(lambda rank, job_dir: _EndsBetweenPolls(rank, 5), [1], own_rank=0)
+    supervisor.ranks = [_EndsBetweenPolls(1, 5)]
+    echo = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    cause = supervisor.root_cause(own_raised_at=time.monotonic(), own_trace=echo)
+    assert cause is supervisor.ranks[0]
