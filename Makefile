@@ -19,7 +19,7 @@ $(DEMO_STAMP): pyproject.toml constraints.txt | $(PYTHON)
 	touch $(DEMO_STAMP)
 
 $(TEST_STAMP): pyproject.toml constraints.txt | $(PYTHON)
-	$(PIP) -e ".[test,test-storage,examples,tensorboard,mpi,bitsandbytes]"
+	$(PIP) -e ".[test,test-storage,examples,tensorboard,mpi,bitsandbytes,ft]"
 	touch $(TEST_STAMP) $(DEMO_STAMP)
 
 venv: $(TEST_STAMP)

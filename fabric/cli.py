@@ -33,6 +33,11 @@ Details worth knowing:
 * With several nodes and ``--max-restarts``, or ``--num-nodes MIN:MAX`` (elastic), the nodes meet in torch's
   elastic rendezvous once per attempt (``fabric.supervision.node_rendezvous``): each attempt's number of
   nodes, and so every rank's ``RANK``/``WORLD_SIZE``, comes from its round.
+* With ``--replica-group G --num-replica-groups R --lighthouse HOST:PORT`` the job is one replica group of a
+  fault-tolerant job (the ``ddp_ft`` strategy, on torchft): every rank of every attempt gets ``TORCHFT_LIGHTHOUSE``,
+  ``FABRIC_REPLICA_GROUP`` and ``FABRIC_NUM_REPLICA_GROUPS``. Each group is its own ``fabric run``, which watches
+  and restarts its own ranks only: nothing here hears of another group, so its end is never this group's failure.
+  ``fabric-torch lighthouse`` runs the server the groups meet at (``fabric.supervision.lighthouse``).
 * ``OMP_NUM_THREADS`` defaults to usable cores / processes per node, so N ranks do not oversubscribe the
   CPU (``fabric._core.threads``; the launchers apply the same rule).
 
@@ -46,7 +51,17 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from fabric._core.env import RUN_BY_CLI_ENV, RUN_COMMAND_ENV, fabric_variable, find_free_port, global_rank, rank_environment
+from fabric._core.env import (
+    LIGHTHOUSE_ENV,
+    NUM_REPLICA_GROUPS_ENV,
+    REPLICA_GROUP_ENV,
+    RUN_BY_CLI_ENV,
+    RUN_COMMAND_ENV,
+    fabric_variable,
+    find_free_port,
+    global_rank,
+    rank_environment,
+)
 from fabric._core.threads import share_cores
 from fabric.run_options import DEFAULT_MAIN_PORT, DISTRIBUTION, PROG, RunConfig, build_run_parser, parse_run_args
 
@@ -97,6 +112,10 @@ def fabric_environment(config: RunConfig, nprocs: int) -> dict[str, str]:
         env[fabric_variable("devices")] = config.devices
     if "num_nodes" in config.given or config.num_nodes > 1:
         env[fabric_variable("num_nodes")] = str(config.num_nodes)
+    if config.lighthouse is not None:  # one replica group of a fault-tolerant job (ddp_ft): every attempt gets them
+        env[LIGHTHOUSE_ENV] = config.lighthouse
+        env[REPLICA_GROUP_ENV] = str(config.replica_group)
+        env[NUM_REPLICA_GROUPS_ENV] = str(config.num_replica_groups)
     return env
 
 
@@ -170,9 +189,14 @@ def run(config: RunConfig) -> int:
         envs[global_rank(config.node_rank, nprocs, local_rank)] = {**env, **ranks}
     nodes = None
     if config.node_rendezvous:  # the one path of `fabric run` that imports torch
-        from fabric.supervision.node_rendezvous import NodeRendezvous
+        from fabric.supervision.node_rendezvous import NodeRendezvous, default_run_id
 
-        nodes = NodeRendezvous(config.main_address, main_port, config.node_rank, config.num_nodes, config.rdzv_id,
+        rdzv_id = config.rdzv_id
+        if rdzv_id is None and config.replica_group is not None:
+            # two replica groups given the same main address and port must never meet in one rendezvous: each
+            # group restarts alone, whatever another group does
+            rdzv_id = f"{default_run_id(config.main_address, main_port)}-replica-group-{config.replica_group}"
+        nodes = NodeRendezvous(config.main_address, main_port, config.node_rank, config.num_nodes, rdzv_id,
                                min_nodes=config.min_nodes, processes_per_node=nprocs, conf=config.rdzv_conf)
     return _run_ranks([sys.executable, config.script, *config.script_args], envs, config.max_restarts, nodes, config.shutdown_timeout)
 
@@ -187,6 +211,7 @@ usage: {prog} <command> [options]
 commands:
   run          Run a script that uses Fabric on several devices or machines (`{prog} run --help`).
   consolidate  Turn a sharded checkpoint folder into one file (`{prog} consolidate --help`).
+  lighthouse   Run torchft's lighthouse, where the replica groups of a ddp_ft job meet (`{prog} lighthouse --help`).
 
 options:
   -h, --help  show this help message and exit
@@ -231,9 +256,13 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         from fabric.consolidate import main as consolidate_main
 
         raise SystemExit(consolidate_main(args[1:], prog=f"{prog} consolidate"))
+    if args[0] == "lighthouse":
+        from fabric.supervision.lighthouse import main as lighthouse_main
+
+        raise SystemExit(lighthouse_main(args[1:], prog=f"{prog} lighthouse"))
     if args[0] != "run":
         sys.stderr.write(_TOP_HELP.format(prog=prog, distribution=DISTRIBUTION, about=f"The command line of {about()}."))
-        sys.stderr.write(f"{prog}: error: unknown command {args[0]!r}; accepted: run, consolidate\n")
+        sys.stderr.write(f"{prog}: error: unknown command {args[0]!r}; accepted: run, consolidate, lighthouse\n")
         raise SystemExit(2)
     config = parse_run_args(args[1:], prog=prog, about=f"This is {about()}, not Lightning's launcher.")
     raise SystemExit(run(config))

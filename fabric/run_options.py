@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric._core.devices import DevicesSyntaxError, parse_devices
+from fabric._core.env import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV
 from fabric._core.names import ACCELERATOR_CHOICES, PRECISION_ALIASES, PRECISION_VALUES
 from fabric._core.urls import is_url, redact
 
 __all__ = [
-    "DEFAULT_MAIN_ADDRESS", "DEFAULT_MAIN_PORT", "DISTRIBUTION", "PROG", "RunConfig", "build_run_parser", "parse_run_args",
+    "DEFAULT_MAIN_ADDRESS", "DEFAULT_MAIN_PORT", "DISTRIBUTION", "PROG", "RunConfig", "build_run_parser", "lighthouse_url",
+    "parse_run_args",
 ]
 
 #: The distribution's name. Its console script of that name is ours alone: Lightning (`lightning`,
@@ -144,6 +146,48 @@ def _port(value: str) -> int:
     raise argparse.ArgumentTypeError(f"--main-port={value!r} is not valid; accepted: an integer in 1..65535")
 
 
+def _positive_int(option: str) -> Any:
+    def parse(value: str) -> int:
+        if value.strip().isascii() and value.strip().isdigit() and int(value) >= 1:
+            return int(value)
+        raise argparse.ArgumentTypeError(f"{option}={value!r} is not valid; accepted: an integer >= 1")
+
+    return parse
+
+
+def lighthouse_url(value: str) -> str:
+    """``--lighthouse``: ``HOST:PORT`` or ``http://HOST:PORT`` (an IPv6 host in brackets), as ``http://HOST:PORT``.
+
+    Raises ``ValueError`` naming the value and what is accepted.
+    """
+    accepted = "accepted: HOST:PORT or http://HOST:PORT (an IPv6 address in brackets: [::1]:29510), PORT in 1..65535"
+    text = value.strip()
+    scheme, separator, rest = text.partition("://")
+    if separator:
+        rest = rest[:-1] if rest.endswith("/") else rest  # http://HOST:PORT/ is the same place
+    else:
+        scheme, rest = "http", text
+    host, colon, port = rest.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    plain = bool(host) and not any(char in host for char in "[]:")
+    if (
+        scheme.lower() != "http"
+        or not colon
+        or not (bracketed or plain)
+        or any(char in rest for char in "/?#@ \t")
+        or not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535)
+    ):
+        raise ValueError(f"--lighthouse={value!r} is not valid; {accepted}")
+    return f"http://{host}:{int(port)}"
+
+
+def _lighthouse(value: str) -> str:
+    try:
+        return lighthouse_url(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 # (dest, flags, argparse keyword arguments); the flag spellings are Lightning Fabric's.
 def _options(prog: str = PROG) -> list[tuple[str, tuple[str, ...], dict[str, Any]]]:
     strategies, refused = _strategies()
@@ -205,6 +249,22 @@ def _options(prog: str = PROG) -> list[tuple[str, tuple[str, ...], dict[str, Any
         ("precision", ("--precision",), dict(
             type=_choice("--precision", PRECISIONS), default=None, metavar="P",
             help=f"Numeric precision: {', '.join(PRECISIONS)}. Default: the script's choice ('32-true')."),
+        ),
+        # fault tolerance across replica groups (the ddp_ft strategy): the three go together
+        ("replica_group", ("--replica-group", "--replica_group"), dict(
+            type=_non_negative_int("--replica-group"), default=None, metavar="G",
+            help="For the ddp_ft strategy: this job is replica group G (0 .. R-1) of --num-replica-groups R, which"
+            " find each other at --lighthouse; each group is its own run (its ranks, main port and restarts)."
+            f" The ranks get {REPLICA_GROUP_ENV}=G. Give all three or none."),
+        ),
+        ("num_replica_groups", ("--num-replica-groups", "--num_replica_groups"), dict(
+            type=_positive_int("--num-replica-groups"), default=None, metavar="R",
+            help=f"For the ddp_ft strategy: how many replica groups train together. The ranks get {NUM_REPLICA_GROUPS_ENV}=R."),
+        ),
+        ("lighthouse", ("--lighthouse",), dict(
+            type=_lighthouse, default=None, metavar="HOST:PORT",
+            help=f"For the ddp_ft strategy: the address of `{prog} lighthouse` (HOST:PORT or http://HOST:PORT)."
+            f" The ranks get {LIGHTHOUSE_ENV}=http://HOST:PORT."),
         ),
     ]
 
@@ -303,6 +363,10 @@ class RunConfig:
     min_nodes: int | None = None  # the fewest machines it goes on with (MIN of MIN:MAX); None: num_nodes
     rdzv_conf: dict[str, int] | None = None  # --rdzv-conf
     prog: str = PROG  # the command as the user typed it (`fabric-torch`, `fabric`, `python -m fabric`)
+    # --replica-group, --num-replica-groups, --lighthouse (as http://HOST:PORT): all three or none
+    replica_group: int | None = None
+    num_replica_groups: int | None = None
+    lighthouse: str | None = None
 
     @property
     def elastic(self) -> bool:
@@ -337,6 +401,20 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
             "--rdzv-conf is not used here; accepted with --num-nodes > 1 and --max-restarts >= 1, or --num-nodes MIN:MAX"
             " (the nodes' rendezvous exists only then)"
         )
+    replica_flags = {"replica_group": "--replica-group", "num_replica_groups": "--num-replica-groups", "lighthouse": "--lighthouse"}
+    missing = [flag for dest, flag in replica_flags.items() if getattr(args, dest) is None]
+    if 0 < len(missing) < len(replica_flags):
+        present = [flag for flag in replica_flags.values() if flag not in missing]
+        parser.error(
+            f"{' and '.join(present)} given without {' and '.join(missing)}; accepted: all three of --replica-group G,"
+            " --num-replica-groups R and --lighthouse HOST:PORT (this job is replica group G of R, which meet at the"
+            " lighthouse), or none of them"
+        )
+    if not missing and args.replica_group >= args.num_replica_groups:
+        parser.error(
+            f"--replica-group={args.replica_group} is not valid with --num-replica-groups={args.num_replica_groups};"
+            f" accepted: 0 .. {args.num_replica_groups - 1}"
+        )
     if is_url(args.script):  # never looked up as a local path named "s3:/..."
         parser.error(f"SCRIPT {redact(args.script)!r} is a URL; accepted: the path of a local Python script")
     if not os.path.isfile(args.script):
@@ -367,4 +445,7 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
         min_nodes=min_nodes,
         rdzv_conf=args.rdzv_conf,
         prog=prog,
+        replica_group=args.replica_group,
+        num_replica_groups=args.num_replica_groups,
+        lighthouse=args.lighthouse,
     )

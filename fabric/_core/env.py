@@ -15,7 +15,10 @@ import socket
 __all__ = [
     "ENV_PREFIX",
     "JOB_DIR_ENV",
+    "LIGHTHOUSE_ENV",
     "LIGHTNING_CLI_ENV",
+    "NUM_REPLICA_GROUPS_ENV",
+    "REPLICA_GROUP_ENV",
     "RUN_BY_CLI_ENV",
     "RUN_COMMAND_ENV",
     "STATUS_FD_ENV",
@@ -46,6 +49,12 @@ RUN_BY_CLI_ENV = "FABRIC_RUN_BY_CLI"
 #: by ``fabric run`` for its ranks so that their messages name it.
 RUN_COMMAND_ENV = "FABRIC_RUN_COMMAND"
 _DEFAULT_RUN_COMMAND = "fabric-torch run"
+#: Fault tolerance across replica groups (the ``ddp_ft`` strategy, on torchft): ``fabric run --lighthouse HOST:PORT
+#: --replica-group G --num-replica-groups R`` gives every rank of its job the lighthouse's address (``http://HOST:PORT``,
+#: under the name torchft itself reads), its group's number G (0 .. R-1) and the number of groups R.
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_ENV = "FABRIC_REPLICA_GROUP"
+NUM_REPLICA_GROUPS_ENV = "FABRIC_NUM_REPLICA_GROUPS"
 
 
 #: Lightning Fabric's CLI (its ``fabric run``, ``python -m lightning_fabric.cli``) marks the ranks it starts

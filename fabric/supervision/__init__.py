@@ -13,7 +13,9 @@ started. The modules:
 * :mod:`~fabric.supervision.command_rank`: a rank started from a command line (``fabric run``, popen);
 * :mod:`~fabric.supervision.rank_zero`: the popen job's supervision inside rank 0;
 * :mod:`~fabric.supervision.node_rendezvous`: several nodes that restart together (``fabric run
-  --num-nodes M --max-restarts N``); the only module that uses torch, imported inside its functions.
+  --num-nodes M --max-restarts N``); the only module that uses torch, imported inside its functions;
+* :mod:`~fabric.supervision.lighthouse`: ``fabric-torch lighthouse``, torchft's server where the replica groups of a
+  ``ddp_ft`` job meet (torchft, which imports torch, is imported inside its ``main`` only).
 
 Every module imports only the standard library (and :mod:`fabric._core`) at import time, never
 torch nor the rest of fabric, so ``fabric run`` starts ranks without paying for ``import torch``.
