@@ -75,4 +75,6 @@ def prepare_dataloader(
         dataloader = shard_dataloader(dataloader, sampler_kwargs["num_replicas"], sampler_kwargs["rank"])
     dataloader = strategy.process_dataloader(dataloader)
     add_worker_seeding(dataloader, rank=strategy.global_rank)
-    return FabricDataLoader(dataloader, device=device, rank=strategy.global_rank, world_size=strategy.world_size)
+    loader = FabricDataLoader(dataloader, device=device, rank=strategy.global_rank, world_size=strategy.world_size)
+    loader.call_before_each_batch(strategy.watch_dataloader(loader))
+    return loader

@@ -8,7 +8,7 @@ state-dict keys; a ``FabricOptimizer`` is an instance of the user's optimizer cl
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -320,6 +320,21 @@ class FabricDataLoader:
         self._progress: LoaderOwnState | LoaderProgress = (
             LoaderOwnState(dataloader, rank, world_size) if is_stateful(dataloader) else LoaderProgress(dataloader, rank, world_size)
         )
+        self._before_batch: Callable[[], None] | None = None
+
+    def call_before_each_batch(self, hook: Callable[[], None] | None) -> None:
+        """Call ``hook`` before each batch is drawn, and before an iteration begins (the strategy's step start)."""
+        self._before_batch = hook
+
+    def data_position(self) -> tuple[int, int] | None:
+        """``(epoch, batches consumed)`` of our own position; None for a loader that keeps its own state."""
+        return self._progress.position() if isinstance(self._progress, LoaderProgress) else None
+
+    def continue_at(self, epoch: int, batches_consumed: int) -> None:
+        """Make the next iteration begin at ``(epoch, batches consumed)`` (see ``data_position``)."""
+        if not isinstance(self._progress, LoaderProgress):
+            raise TypeError(f"{type(self._dataloader).__name__} keeps its own state: its position cannot be set from outside")
+        self._progress.continue_at(epoch, batches_consumed)
 
     @property
     def per_rank_state(self) -> bool:
@@ -349,12 +364,27 @@ class FabricDataLoader:
         return len(self._dataloader)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._before_batch is not None:
+            yield from self._iterate_with_hook(self._before_batch)
+            return
         device = self._device
         if device is None:
             yield from self._progress.iterate()
             return
         for batch in self._progress.iterate():
             yield move_data_to_device(batch, device)
+
+    def _iterate_with_hook(self, before_batch: Callable[[], None]) -> Iterator[Any]:
+        before_batch()  # before the iteration begins, so that a position it sets is where the iteration starts
+        batches = self._progress.iterate()
+        device = self._device
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            yield batch if device is None else move_data_to_device(batch, device)
+            before_batch()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped loader's own state; for a plain loader, this rank's position and random generator states."""

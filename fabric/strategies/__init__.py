@@ -39,6 +39,7 @@ STRATEGY_REGISTRY: dict[str, tuple[str, dict[str, Any], StrategyLaunch]] = {
     "horovod": ("fabric.strategies.horovod:HorovodStrategy", {}, "horovodrun"),
     "fsdp": ("fabric.strategies.fsdp:FSDPStrategy", {}, "per_device"),
     "fsdp_cpu_offload": ("fabric.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}, "per_device"),
+    "ddp_ft": ("fabric.strategies.fault_tolerant:FaultTolerantStrategy", {}, "per_device"),
 }
 
 
@@ -64,6 +65,7 @@ _CLASSES = {
     "HorovodStrategy": "fabric.strategies.horovod",
     "FSDPStrategy": "fabric.strategies.fsdp",
     "ModelParallelStrategy": "fabric.strategies.model_parallel",
+    "FaultTolerantStrategy": "fabric.strategies.fault_tolerant",
 }
 
 

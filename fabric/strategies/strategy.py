@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +237,10 @@ class Strategy(ABC):
 
     def process_dataloader(self, dataloader: Any) -> Any:
         return dataloader
+
+    def watch_dataloader(self, loader: Any) -> Callable[[], None] | None:
+        """See the set-up ``FabricDataLoader``; returns what to call before each of its batches (None: nothing)."""
+        return None
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None) -> Any:
         return move_data_to_device(batch, device or self.root_device)

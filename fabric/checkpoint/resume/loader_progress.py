@@ -68,6 +68,19 @@ class LoaderProgress:
             yield batch
         self._epoch = None
 
+    def position(self) -> tuple[int, int]:
+        """``(epoch, batches consumed)``: where the next batch comes from."""
+        if self._epoch is not None:
+            return self._epoch, self._consumed
+        if self._resume is not None and "batches_consumed" in self._resume:
+            return self._resume["epoch"], self._resume["batches_consumed"]
+        return self._num_iter_calls, 0
+
+    def continue_at(self, epoch: int, batches_consumed: int) -> None:
+        """Make the next iteration begin at ``(epoch, batches consumed)`` (a position learnt from a peer, not a file)."""
+        self._resume = {"epoch": epoch, "batches_consumed": batches_consumed, "epoch_start": _generator_states(self._dataloader)}
+        self._epoch = None
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's position in the data and random generator states."""
         if self._epoch is not None:  # inside an epoch (saved after a step, as a loop does)

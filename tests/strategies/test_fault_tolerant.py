@@ -1,0 +1,274 @@
+"""The ``ddp_ft`` strategy (torchft): its checks and bookkeeping first, then real replica groups in processes.
+
+The jobs: one group alone whose process group across groups fails on demand (a dropped step changes nothing);
+a lighthouse (``fabric-torch lighthouse``) and two one-process groups under ``fabric-torch run --max-restarts
+1``, where group 1 kills itself mid-step and comes back healed; and a cold start of both groups from a
+checkpoint that job wrote before the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabric._core.env import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV
+from fabric.strategies import STRATEGY_REGISTRY, strategy_launch
+from fabric.strategies.fault_tolerant import (
+    FaultTolerantStrategy,
+    GroupPositions,
+    import_torchft,
+    replica_group_from_environment,
+)
+from support.environment import clean_env
+from support.loading import script_path
+from support.processes import fabric_run, finish, run, start
+
+GROUP_SCRIPT = script_path("ft", "replica_group.py")
+DIE_AT = 12  # group 1 kills itself in the step that would commit this one
+SAVED_AT = (8, 10)  # the live job saves these committed steps, before the failure
+
+GROUP = {REPLICA_GROUP_ENV: "1", NUM_REPLICA_GROUPS_ENV: "2", LIGHTHOUSE_ENV: "127.0.0.1:29510"}
+
+
+def test_the_strategy_is_registered_and_started_one_process_per_device() -> None:
+    assert STRATEGY_REGISTRY["ddp_ft"][0] == "fabric.strategies.fault_tolerant:FaultTolerantStrategy"
+    assert strategy_launch("ddp_ft") == "per_device"
+
+
+def test_the_replica_group_comes_from_the_environment_with_the_lighthouse_as_a_url() -> None:
+    assert replica_group_from_environment(GROUP) == (1, 2, "http://127.0.0.1:29510")
+    assert replica_group_from_environment({**GROUP, LIGHTHOUSE_ENV: "http://lh:1"})[2] == "http://lh:1"
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({REPLICA_GROUP_ENV: ""}, f"needs {REPLICA_GROUP_ENV} in the environment"),
+        ({LIGHTHOUSE_ENV: ""}, f"needs {LIGHTHOUSE_ENV}"),
+        ({REPLICA_GROUP_ENV: "one"}, "must be integers"),
+        ({REPLICA_GROUP_ENV: "2"}, "0 <= group < groups"),
+        ({NUM_REPLICA_GROUPS_ENV: "0", REPLICA_GROUP_ENV: "0"}, "0 <= group < groups"),
+    ],
+)
+def test_a_missing_or_bad_replica_group_is_refused_naming_the_variable(change: dict[str, str], said: str) -> None:
+    with pytest.raises(RuntimeError, match="fabric-torch run --replica-group" if "needs" in said else None) as info:
+        replica_group_from_environment({**GROUP, **change})
+    assert said in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"ddp_comm_hook": lambda state, bucket: None}, "ddp_comm_hook cannot be given"),
+        ({"model_averaging_period": 2}, "model_averaging_period cannot be given"),
+        ({"start_method": "spawn"}, "start_method='spawn' is not supported by 'ddp_ft'; accepted: 'popen'"),
+        ({"min_replica_size": 0}, "min_replica_size=0 is not valid; accepted: an int >= 1"),
+        ({"min_replica_size": True}, "min_replica_size=True is not valid"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs: dict, said: str) -> None:
+    with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
+        FaultTolerantStrategy(**kwargs)
+
+
+def test_ddp_never_rebuilds_its_buckets_so_every_group_lays_gradients_out_alike() -> None:
+    assert FaultTolerantStrategy()._ddp_kwargs["find_unused_parameters"] is True
+
+
+def test_without_torchft_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    monkeypatch.setitem(sys.modules, "torchft.manager", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'fabric-torch\[ft\]'"):
+        import_torchft()
+
+
+class _Loader:
+    """What GroupPositions reads and sets of a FabricDataLoader."""
+
+    def __init__(self, epoch: int, consumed: int) -> None:
+        self.position = (epoch, consumed)
+        self.continued: tuple[int, int] | None = None
+
+    def data_position(self) -> tuple[int, int]:
+        return self.position
+
+    def continue_at(self, epoch: int, consumed: int) -> None:
+        self.continued = self.position = (epoch, consumed)
+
+
+def test_positions_keep_what_the_quorum_said_and_the_last_word_of_a_group_that_left() -> None:
+    positions = GroupPositions(group=0, groups=3)
+    loader = _Loader(0, 5)
+    positions.add(loader)
+    step = positions.contribution()
+    assert step[0].tolist() == [[1, 5]] and step[1:].abs().sum() == 0  # only its own row
+    positions.take(torch.tensor([[[1, 5]], [[1, 6]], [[2, 1]]]))  # all three groups took part
+    loader.position = (0, 6)
+    positions.take(torch.tensor([[[1, 6]], [[1, 7]], [[0, 0]]]))  # group 2 is gone: its last word stays
+    assert positions.table.tolist() == [[[1, 6]], [[1, 7]], [[2, 1]]]
+
+
+def test_healing_takes_a_peers_record_of_this_group_only_where_it_is_ahead() -> None:
+    rejoined = GroupPositions(group=1, groups=2)
+    fresh, ahead_here = _Loader(0, 0), _Loader(3, 2)
+    rejoined.add(fresh)
+    rejoined.add(ahead_here)
+    peer_table = torch.tensor([[[1, 40], [3, 9]], [[1, 11], [2, 30]]])  # the peer heard group 1 at (0, 11) and (1, 30)
+    rejoined.adopt(peer_table)
+    assert fresh.continued == (0, 11)  # where it stood when it died
+    assert ahead_here.continued is None  # it is further on its own: it keeps its place
+    assert rejoined.table[0].tolist() == [[1, 40], [3, 9]]
+    with pytest.raises(RuntimeError, match="every replica group must run the same script"):
+        rejoined.adopt(torch.zeros(2, 3, 2, dtype=torch.int64))
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_a_dropped_step_leaves_weights_and_optimizer_as_they_were_and_backward_never_raises() -> None:
+    import_torchft()
+    result = run([sys.executable, str(script_path("ft", "dropped_step.py"))], timeout=100, env=clean_env(OMP_NUM_THREADS="1"))
+    steps = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [step["failure"] for step in steps] == [None, "call", "wait", None]
+    assert [step["committed"] for step in steps] == [1, 1, 1, 2]
+    assert [step["weights_changed"] for step in steps] == [True, False, False, True]
+    assert [step["optimizer_changed"] for step in steps] == [True, False, False, True]
+    assert all(step["participants"] == 1 for step in steps)
+
+
+def _lighthouse(log: Path) -> tuple[subprocess.Popen, str]:
+    """``fabric-torch lighthouse`` on a free port; a group is taken for dead after 2 s without a heartbeat.
+
+    Its log (a line per quorum) goes to the file ``log``: a pipe nobody reads would fill and stall it.
+    """
+    command = [sys.executable, "-m", "fabric", "lighthouse", "--min-replicas", "1", "--port", "0",
+               "--heartbeat-timeout-ms", "2000", "--join-timeout-ms", "1000"]
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=stderr, text=True, stdin=subprocess.DEVNULL)
+    assert process.stdout is not None
+    line = process.stdout.readline()  # its one line on stdout: the address
+    assert "lighthouse listening on http://127.0.0.1:" in line, line + log.read_text()
+    return process, line.split("listening on ")[1].split()[0]
+
+
+def _groups(lighthouse: str, out: Path, *args: object, restarts: int = 0) -> list[tuple[int, str, str]]:
+    out.mkdir(exist_ok=True)
+    procs = [
+        start(fabric_run("--accelerator", "cpu", "--devices", 1, "--replica-group", group, "--num-replica-groups", 2,
+                         "--lighthouse", lighthouse, "--max-restarts", restarts, GROUP_SCRIPT, out, *args),
+              env=clean_env(OMP_NUM_THREADS="1"))
+        for group in (0, 1)
+    ]
+    return finish(procs, 200)
+
+
+def _rows(out: Path, group: int, attempt: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"group{group}_rank0_attempt{attempt}.jsonl").read_text().splitlines()]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def live_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job with a failure: group 1 SIGKILLs itself after the forward of step 12 and is restarted once."""
+    import_torchft()
+    out = tmp_path_factory.mktemp("ft_live")
+    lighthouse, address = _lighthouse(out / "lighthouse.log")
+    try:
+        results = _groups(address, out, "--die-group", 1, "--die-at", DIE_AT, "--steps", 30, "--save-at", *SAVED_AT,
+                          restarts=1)
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse_status = lighthouse.wait(timeout=20)
+    for group, (code, _, stderr) in enumerate(results):
+        (out / f"group{group}.stderr").write_text(stderr)
+        assert code == 0, f"group {group}: {stderr[-3000:]}"
+    assert lighthouse_status == 0
+    return out
+
+
+# the subject of the live job is a killed rank restarted by its launcher: fresh interpreters (`cold`), no warm ranks
+@pytest.mark.procs
+@pytest.mark.cold
+@pytest.mark.timing  # group 0 steps alone only while group 1's restart outlasts the lighthouse's 2 s heartbeat timeout
+@pytest.mark.timeout(300)
+def test_a_group_that_dies_mid_step_leaves_the_other_training_and_comes_back_healed(live_job: Path) -> None:
+    survivor, died, rejoined = _rows(live_job, 0, 0), _rows(live_job, 1, 0), _rows(live_job, 1, 1)
+    assert not (live_job / "group0_rank0_attempt1.jsonl").exists()  # group 0 never stopped
+    assert died[-1]["committed"] == DIE_AT - 1
+    assert any(row["participants"] == 1 for row in survivor)  # it went on alone
+    # the step under way when group 1 died was dropped: group 0 logged DIE_AT - 1 twice
+    assert [row["committed"] for row in survivor].count(DIE_AT - 1) == 2
+    # healed: the first step after the restart continues the peer's count, with both groups in the quorum
+    first = rejoined[0]
+    assert first["committed"] > DIE_AT and first["participants"] == 2
+    assert {"committed": first["committed"], "participants": 2} in [{k: row[k] for k in ("committed", "participants")} for row in survivor]
+    assert survivor[-1]["committed"] == rejoined[-1]["committed"] >= 30
+    final = [torch.load(live_job / f"group{group}_final.pt") for group in (0, 1)]
+    for name, value in final[0]["model"].items():
+        assert torch.equal(value, final[1]["model"][name]), name
+    for saved, other in zip(final[0]["optimizer"]["state"].values(), final[1]["optimizer"]["state"].values()):
+        assert torch.equal(saved["momentum_buffer"], other["momentum_buffer"])
+    assert _processes_mentioning(str(live_job)) == []  # no rank, launcher or lighthouse left
+
+
+@pytest.mark.procs
+@pytest.mark.cold
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_a_rejoined_group_continues_its_own_data_where_it_stood(live_job: Path) -> None:
+    from torch.utils.data import DistributedSampler
+
+    order = {}
+    for group in (0, 1):
+        sampler = DistributedSampler(range(4096), num_replicas=2, rank=group, shuffle=True, seed=7)
+        sampler.set_epoch(0)
+        order[group] = list(sampler)
+    died, rejoined = _rows(live_job, 1, 0), _rows(live_job, 1, 1)
+    read = [index for row in died + rejoined for index in row["indices"]]
+    # its shard in order: the batches it applied, then (after the restart) the batch it died in and onwards
+    assert read == order[1][: len(read)]
+    assert rejoined[0]["indices"] == order[1][4 * (DIE_AT - 1) : 4 * DIE_AT]
+    survivor = [index for row in _rows(live_job, 0, 0) for index in row["indices"]]
+    assert survivor == order[0][: len(survivor)]  # group 0 only ever read its own shard, each sample once
+
+
+@pytest.mark.procs
+@pytest.mark.cold
+@pytest.mark.timing
+@pytest.mark.timeout(300)
+def test_a_cold_start_of_every_group_from_one_groups_checkpoint_resumes_exactly(live_job: Path, tmp_path: Path) -> None:
+    first, last = SAVED_AT
+    lighthouse, address = _lighthouse(tmp_path / "lighthouse.log")
+    try:
+        results = _groups(address, tmp_path, "--resume", live_job / f"group0_step{first}.ckpt", "--steps", last)
+    finally:
+        lighthouse.send_signal(signal.SIGTERM)
+        lighthouse.wait(timeout=20)
+    for group, (code, _, stderr) in enumerate(results):
+        assert code == 0, f"group {group}: {stderr[-3000:]}"
+    for group in (0, 1):
+        resumed = _rows(tmp_path, group, 0)
+        assert [row["committed"] for row in resumed] == list(range(first + 1, last + 1))
+        # each group continues its own shard, though the file was group 0's
+        assert [row["indices"] for row in resumed] == [row["indices"] for row in _rows(live_job, group, 0)[first:last]]
+        expected = torch.load(live_job / f"group{group}_step{last}.ckpt", weights_only=False)["model"]
+        final = torch.load(tmp_path / f"group{group}_final.pt")["model"]
+        for name, value in final.items():
+            assert torch.equal(value, expected[name]), (group, name)
