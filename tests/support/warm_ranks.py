@@ -125,6 +125,14 @@ def hand_over() -> None:
         conn.close()
         return  # the warm parent could not take it: run cold
     worker = int(line[1])
+    try:
+        _stand_in(worker, fds, reader)
+    finally:  # the worker runs the program now: this process must never return to `site` and run it a second time
+        os._exit(1)
+
+
+def _stand_in(worker: int, fds: list[int], reader: Any) -> None:
+    """Pass every signal on to ``worker`` and end as it ends: its exit status, or the signal that ended it."""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in fds:  # the worker holds them now: a pipe's reader sees its end when the worker's copy closes
         if fd <= 2:
@@ -152,7 +160,8 @@ def hand_over() -> None:
             continue
     if len(line) == 2 and line[0] == b"S":
         signum = int(line[1])
-        signal.signal(signum, signal.SIG_DFL)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # these have no handler to take away (signal() refuses them)
+            signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)
@@ -265,7 +274,12 @@ def _start_worker(conn: socket.socket, listener: socket.socket, by_pidfd: dict, 
         os.close(fd)
     with open(f"{listener.getsockname()}.log", "a") as log:  # one line per worker: what ran warm
         log.write(f"{pid} {' '.join(request['orig_argv'][1:])[:200]}\n")
-    conn.sendall(f"P {pid}\n".encode())
+    try:
+        conn.sendall(f"P {pid}\n".encode())
+    except OSError:  # the stand-in is gone (SIGKILLed while handing over): so is its worker, and the warm parent stays
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return None
     return pid, os.pidfd_open(pid)
 
 
