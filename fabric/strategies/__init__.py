@@ -40,6 +40,7 @@ STRATEGY_REGISTRY: dict[str, tuple[str, dict[str, Any], StrategyLaunch]] = {
     "fsdp": ("fabric.strategies.fsdp:FSDPStrategy", {}, "per_device"),
     "fsdp_cpu_offload": ("fabric.strategies.fsdp:FSDPStrategy", {"cpu_offload": True}, "per_device"),
     "ddp_ft": ("fabric.strategies.fault_tolerant:FaultTolerantStrategy", {}, "per_device"),
+    "hsdp_ft": ("fabric.strategies.fault_tolerant:HSDPFaultTolerantStrategy", {}, "per_device"),
 }
 
 
@@ -66,6 +67,7 @@ _CLASSES = {
     "FSDPStrategy": "fabric.strategies.fsdp",
     "ModelParallelStrategy": "fabric.strategies.model_parallel",
     "FaultTolerantStrategy": "fabric.strategies.fault_tolerant",
+    "HSDPFaultTolerantStrategy": "fabric.strategies.fault_tolerant",
 }
 
 

@@ -34,8 +34,9 @@ from fabric._core.env import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GRO
 from fabric.checkpoint.per_rank import state_of_rank
 from fabric.checkpoint.resume.random_state import capture_random_state, restore_random_state
 from fabric.strategies.ddp import DDPStrategy
+from fabric.strategies.fsdp import FSDPStrategy
 
-__all__ = ["FaultTolerantStrategy", "GroupPositions", "replica_group_from_environment"]
+__all__ = ["FaultTolerantStrategy", "GroupPositions", "HSDPFaultTolerantStrategy", "ReplicaGroups", "replica_group_from_environment"]
 
 _HEALING_KEY = "fabric"
 #: the strategy's own entry in a checkpoint written by ``fabric.save``
@@ -148,7 +149,219 @@ class GroupPositions:
         self.table[self.group] = self.own_row()
 
 
-class FaultTolerantStrategy(DDPStrategy):
+class ReplicaGroups:
+    """What makes a process-group strategy fault tolerant across replica groups (mixed in before it).
+
+    The step protocol, healing, data positions and the checkpoint entry; the strategy it is mixed into
+    says how gradients cross groups (:meth:`_average_across_groups`, or a comm hook that does it in backward).
+    """
+
+    _strategy_name = "ddp_ft"
+
+    def _init_replica_groups(
+        self, min_replica_size: int, quorum_timeout: timedelta, replica_timeout: timedelta, replica_process_group: Any
+    ) -> None:
+        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int) or min_replica_size < 1:
+            raise ValueError(f"min_replica_size={min_replica_size!r} is not valid; accepted: an int >= 1")
+        self._min_replica_size = min_replica_size
+        self._quorum_timeout = quorum_timeout
+        self._replica_timeout = replica_timeout
+        self._replica_process_group = replica_process_group
+        self._manager: Any = None
+        self._positions: GroupPositions | None = None
+        self._modules: list[Module] = []
+        self._optimizers: list[Optimizer] = []
+        self._quorum_open = False  # a quorum was started for the step under way
+        self._decision: bool | None = None  # the step's commit decision, once taken
+
+    # ---- the job's shape --------------------------------------------------------------------------
+
+    @property
+    def manager(self) -> Any:
+        """torchft's ``Manager`` of this group (after ``launch()``)."""
+        if self._manager is None:
+            raise RuntimeError(f"the {self._strategy_name!r} strategy has no torchft Manager yet: call fabric.launch() first")
+        return self._manager
+
+    @property
+    def committed_steps(self) -> int:
+        """Optimizer steps the quorum committed (restored by healing and by loading a checkpoint)."""
+        return int(self.manager.current_step())
+
+    @property
+    def participants(self) -> int:
+        """How many replica groups take part in the current (or last) quorum."""
+        return int(self.manager.num_participants())
+
+    @property
+    def replica_group(self) -> int:
+        return replica_group_from_environment()[0]
+
+    @property
+    def num_replica_groups(self) -> int:
+        return replica_group_from_environment()[1]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        group, groups, _ = replica_group_from_environment()
+        world_size, rank = self.world_size, self.global_rank  # type: ignore[attr-defined]
+        return {"num_replicas": world_size * groups, "rank": group * world_size + rank}
+
+    # ---- life cycle -------------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        group, groups, lighthouse = replica_group_from_environment()  # before any process group: fail early
+        torchft = import_torchft()
+        super().setup_environment()  # type: ignore[misc]
+        if self._manager is not None:
+            return
+        strategy: Any = self
+        pg = self._replica_process_group
+        if pg is None:
+            make = torchft.process_group.ProcessGroupNCCL if strategy.root_device.type == "cuda" else torchft.process_group.ProcessGroupGloo
+            pg = make(timeout=self._replica_timeout)
+        env = strategy.cluster_environment
+        self._positions = GroupPositions(group, groups)
+        self._manager = torchft.manager.Manager(
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=self._min_replica_size,
+            # healing must happen before the step's first batch is drawn, so that a group that comes back
+            # continues its data where it stood: the quorum is waited for when the step starts
+            use_async_quorum=False,
+            timeout=self._replica_timeout,
+            quorum_timeout=self._quorum_timeout,
+            connect_timeout=self._replica_timeout,
+            rank=strategy.global_rank,
+            world_size=strategy.world_size,
+            store_addr=env.main_address,
+            store_port=env.main_port,
+            lighthouse_addr=lighthouse,
+            replica_id=f"fabric_group_{group}",
+        )
+        self._manager.register_state_dict_fn(_HEALING_KEY, self._load_healing_state, self._healing_state)
+        atexit.register(self._shut_manager_down)
+
+    def teardown(self) -> None:
+        self._shut_manager_down()
+        self._modules.clear()
+        self._optimizers.clear()
+        super().teardown()  # type: ignore[misc]
+
+    def _shut_manager_down(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+
+    # ---- modules, optimizers, loaders ----------------------------------------------------------------
+
+    def _track_module(self, module: Module) -> None:
+        """Heal ``module`` with the others; its forward starts the step's quorum (a loop without set-up loaders)."""
+        module.register_forward_pre_hook(lambda _module, _inputs: self.start_step())
+        self._modules.append(module)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        optimizer = super().setup_optimizer(optimizer)  # type: ignore[misc]
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def watch_dataloader(self, loader: Any) -> Callable[[], None] | None:
+        """Keep ``loader``'s position for healing; the step's quorum starts before its next batch is drawn."""
+        if self._positions is None:
+            raise RuntimeError(f"set up dataloaders after fabric.launch() with the {self._strategy_name!r} strategy")
+        self._positions.add(loader)
+        return self.start_step
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Join the quorum of the step under way, once per step (healing from a peer happens here)."""
+        if self._quorum_open:
+            return
+        self._quorum_open = True
+        self._decision = None
+        self.manager.start_quorum(timeout=self._quorum_timeout)
+
+    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """Step only if the quorum commits the step; the decision is taken once per step, for every optimizer."""
+        if self._decision is None:
+            self.start_step()  # a step whose forward did not run through a set-up module
+            self._average_across_groups()
+            self._share_positions()
+            self._decision = bool(self.manager.should_commit(timeout=self._replica_timeout))
+            self._quorum_open = False
+        if not self._decision:
+            return None
+        return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+
+    def _average_across_groups(self) -> None:
+        """Average the gradients over the quorum's groups, if backward did not (a comm hook does it in DDP)."""
+
+    def _share_positions(self) -> None:
+        positions = self._positions
+        if positions is None or not positions.loaders:
+            return
+        manager = self.manager
+        summed = positions.contribution()
+        manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+        if manager.errored() is None:
+            positions.take(summed)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None, async_save: bool = False
+    ) -> None:
+        """As the strategy's, with the committed step count and every group's data position under ``"ddp_ft"``."""
+        state = {**state, CHECKPOINT_KEY: _ReplicaGroupState(self)}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter, async_save=async_save)  # type: ignore[misc]
+
+    def load_checkpoint(
+        self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """As the strategy's; then this group takes the committed step count and its own data position from the file.
+
+        The loaders' entries hold the positions of the group that wrote the file; this group's own row of the
+        positions table overrides them, so every group of a cold-started job continues its own shard.
+        """
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
+        saved = remainder.pop(CHECKPOINT_KEY, None) if isinstance(remainder, dict) else None
+        if saved is not None:
+            _ReplicaGroupState(self).load_state_dict(saved)
+        return remainder
+
+    # ---- healing ----------------------------------------------------------------------------------------
+
+    def _healing_state(self) -> dict[str, Any]:
+        """What a group that comes back copies from this one (torchft adds the committed step count).
+
+        Tensors go as this rank's local part (a sharded parameter's shard): rank r of a group heals from rank r
+        of its peer, whose shards are laid out alike.
+        """
+        return {
+            "modules": [_local(_unwrap(module).state_dict()) for module in self._modules],
+            "optimizers": [_local(optimizer.state_dict()) for optimizer in self._optimizers],
+            "random_state": capture_random_state(),
+            "positions": self._positions.table.clone() if self._positions is not None else None,
+        }
+
+    def _load_healing_state(self, state: dict[str, Any]) -> None:
+        if len(state["modules"]) != len(self._modules) or len(state["optimizers"]) != len(self._optimizers):
+            raise RuntimeError(
+                f"the peer group set up {len(state['modules'])} module(s) and {len(state['optimizers'])} optimizer(s),"
+                f" this group {len(self._modules)} and {len(self._optimizers)}: every replica group must run the same script"
+            )
+        for module, module_state in zip(self._modules, state["modules"]):
+            _copy_into_module(_unwrap(module), module_state)
+        for optimizer, optimizer_state in zip(self._optimizers, state["optimizers"]):
+            optimizer.load_state_dict(_shaped_like_parameters(optimizer, optimizer_state))
+        restore_random_state(state["random_state"])
+        if self._positions is not None and state["positions"] is not None:
+            self._positions.adopt(state["positions"])
+
+
+class FaultTolerantStrategy(ReplicaGroups, DDPStrategy):
     """DDP inside each replica group, torchft across the groups: the job trains on while a group is down.
 
     Start a lighthouse (``fabric-torch lighthouse --min-replicas 1``) and each group with ``fabric-torch run
@@ -179,213 +392,137 @@ class FaultTolerantStrategy(DDPStrategy):
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name} cannot be given to the 'ddp_ft' strategy: it installs its own comm hook")
-        if kwargs.setdefault("start_method", "popen") != "popen":
-            raise ValueError(f"start_method={kwargs['start_method']!r} is not supported by 'ddp_ft'; accepted: 'popen'")
-        if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int) or min_replica_size < 1:
-            raise ValueError(f"min_replica_size={min_replica_size!r} is not valid; accepted: an int >= 1")
+        _check_popen(kwargs, "ddp_ft")
         # DDP must never rebuild its buckets: a group that joins late would lay its buckets out differently
         # from its peers', and the per-bucket all-reduce across groups would add unlike gradients
         kwargs["find_unused_parameters"] = True
         super().__init__(*args, **kwargs)
-        self._min_replica_size = min_replica_size
-        self._quorum_timeout = quorum_timeout
-        self._replica_timeout = replica_timeout
-        self._replica_process_group = replica_process_group
-        self._manager: Any = None
-        self._positions: GroupPositions | None = None
-        self._modules: list[Module] = []
-        self._optimizers: list[Optimizer] = []
-        self._quorum_open = False  # a quorum was started for the step under way
-        self._decision: bool | None = None  # the step's commit decision, once taken
-
-    # ---- the job's shape --------------------------------------------------------------------------
-
-    @property
-    def manager(self) -> Any:
-        """torchft's ``Manager`` of this group (after ``launch()``)."""
-        if self._manager is None:
-            raise RuntimeError("the 'ddp_ft' strategy has no torchft Manager yet: call fabric.launch() first")
-        return self._manager
-
-    @property
-    def committed_steps(self) -> int:
-        """Optimizer steps the quorum committed (restored by healing and by loading a checkpoint)."""
-        return int(self.manager.current_step())
-
-    @property
-    def participants(self) -> int:
-        """How many replica groups take part in the current (or last) quorum."""
-        return int(self.manager.num_participants())
-
-    @property
-    def replica_group(self) -> int:
-        return replica_group_from_environment()[0]
-
-    @property
-    def num_replica_groups(self) -> int:
-        return replica_group_from_environment()[1]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        group, groups, _ = replica_group_from_environment()
-        return {"num_replicas": self.world_size * groups, "rank": group * self.world_size + self.global_rank}
-
-    # ---- life cycle -------------------------------------------------------------------------------
-
-    @override
-    def setup_environment(self) -> None:
-        group, groups, lighthouse = replica_group_from_environment()  # before any process group: fail early
-        torchft = import_torchft()
-        super().setup_environment()
-        if self._manager is not None:
-            return
-        pg = self._replica_process_group
-        if pg is None:
-            make = torchft.process_group.ProcessGroupNCCL if self.root_device.type == "cuda" else torchft.process_group.ProcessGroupGloo
-            pg = make(timeout=self._replica_timeout)
-        env = self.cluster_environment
-        self._positions = GroupPositions(group, groups)
-        self._manager = torchft.manager.Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=self._min_replica_size,
-            # healing must happen before the step's first batch is drawn, so that a group that comes back
-            # continues its data where it stood: the quorum is waited for when the step starts
-            use_async_quorum=False,
-            timeout=self._replica_timeout,
-            quorum_timeout=self._quorum_timeout,
-            connect_timeout=self._replica_timeout,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            store_addr=env.main_address,
-            store_port=env.main_port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"fabric_group_{group}",
-        )
-        self._manager.register_state_dict_fn(_HEALING_KEY, self._load_healing_state, self._healing_state)
-        atexit.register(self._shut_manager_down)
-
-    @override
-    def teardown(self) -> None:
-        self._shut_manager_down()
-        self._modules.clear()
-        self._optimizers.clear()
-        super().teardown()
-
-    def _shut_manager_down(self) -> None:
-        manager, self._manager = self._manager, None
-        if manager is not None:
-            manager.shutdown(wait=False)
-
-    # ---- modules, optimizers, loaders ----------------------------------------------------------------
+        self._init_replica_groups(min_replica_size, quorum_timeout, replica_timeout, replica_process_group)
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         ddp = super().setup_module(module)
-        ddp.register_comm_hook(state=self, hook=_average_across_groups)
-        ddp.register_forward_pre_hook(lambda _module, _inputs: self.start_step())
-        self._modules.append(ddp)
+        ddp.register_comm_hook(state=self, hook=_ddp_average_across_groups)
+        self._track_module(ddp)
         return ddp
-
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._optimizers.append(optimizer)
-        return super().setup_optimizer(optimizer)
-
-    @override
-    def watch_dataloader(self, loader: Any) -> Callable[[], None] | None:
-        """Keep ``loader``'s position for healing; the step's quorum starts before its next batch is drawn."""
-        if self._positions is None:
-            raise RuntimeError("set up dataloaders after fabric.launch() with the 'ddp_ft' strategy")
-        self._positions.add(loader)
-        return self.start_step
-
-    # ---- the step -------------------------------------------------------------------------------------
-
-    def start_step(self) -> None:
-        """Join the quorum of the step under way, once per step (healing from a peer happens here)."""
-        if self._quorum_open:
-            return
-        self._quorum_open = True
-        self._decision = None
-        self.manager.start_quorum(timeout=self._quorum_timeout)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """Step only if the quorum commits the step; the decision is taken once per step, for every optimizer."""
-        if self._decision is None:
-            self.start_step()  # a step whose forward did not run through a set-up module
-            self._share_positions()
-            self._decision = bool(self.manager.should_commit(timeout=self._replica_timeout))
-            self._quorum_open = False
-        if not self._decision:
-            return None
-        return super().optimizer_step(optimizer, **kwargs)
-
-    def _share_positions(self) -> None:
-        positions = self._positions
-        if positions is None or not positions.loaders:
-            return
-        manager = self.manager
-        summed = positions.contribution()
-        manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
-        if manager.errored() is None:
-            positions.take(summed)
-
-    # ---- checkpoints -------------------------------------------------------------------------------------
-
-    @override
-    def save_checkpoint(
-        self, path: str | Path, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None, async_save: bool = False
-    ) -> None:
-        """As DDP's, with the committed step count and every group's data position under ``"ddp_ft"``."""
-        state = {**state, CHECKPOINT_KEY: _ReplicaGroupState(self)}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter, async_save=async_save)
-
-    @override
-    def load_checkpoint(
-        self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
-    ) -> dict[str, Any]:
-        """As DDP's; then this group takes the committed step count and its own data position from the file.
-
-        The loaders' entries hold the positions of the group that wrote the file; this group's own row of the
-        positions table overrides them, so every group of a cold-started job continues its own shard.
-        """
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        saved = remainder.pop(CHECKPOINT_KEY, None) if isinstance(remainder, dict) else None
-        if saved is not None:
-            _ReplicaGroupState(self).load_state_dict(saved)
-        return remainder
-
-    # ---- healing ----------------------------------------------------------------------------------------
-
-    def _healing_state(self) -> dict[str, Any]:
-        """What a group that comes back copies from this one (torchft adds the committed step count)."""
-        return {
-            "modules": [_unwrap(module).state_dict() for module in self._modules],
-            "optimizers": [optimizer.state_dict() for optimizer in self._optimizers],
-            "random_state": capture_random_state(),
-            "positions": self._positions.table.clone() if self._positions is not None else None,
-        }
-
-    def _load_healing_state(self, state: dict[str, Any]) -> None:
-        if len(state["modules"]) != len(self._modules) or len(state["optimizers"]) != len(self._optimizers):
-            raise RuntimeError(
-                f"the peer group set up {len(state['modules'])} module(s) and {len(state['optimizers'])} optimizer(s),"
-                f" this group {len(self._modules)} and {len(self._optimizers)}: every replica group must run the same script"
-            )
-        for module, module_state in zip(self._modules, state["modules"]):
-            _unwrap(module).load_state_dict(module_state)
-        for optimizer, optimizer_state in zip(self._optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
-        restore_random_state(state["random_state"])
-        if self._positions is not None and state["positions"] is not None:
-            self._positions.adopt(state["positions"])
 
     def __repr__(self) -> str:
         return f"FaultTolerantStrategy(min_replica_size={self._min_replica_size})"
+
+
+class HSDPFaultTolerantStrategy(ReplicaGroups, FSDPStrategy):
+    """FSDP2 inside each replica group, torchft across the groups (``"hsdp_ft"``): hybrid sharding that survives a group.
+
+    Each group shards the model over its own ranks (``fully_shard``); after backward, rank r of every group
+    averages its gradient shards with rank r of the other groups in the quorum (one all-reduce of the
+    flattened shards), and the optimizer steps only if the step commits. Every group must have the same
+    number of ranks (rank r heals from rank r's shards). Otherwise as :class:`FaultTolerantStrategy`.
+
+    Args:
+        min_replica_size, quorum_timeout, replica_timeout, replica_process_group: as for ``FaultTolerantStrategy``.
+        **kwargs: as for :class:`~fabric.strategies.fsdp.FSDPStrategy` (sharding inside the group: "FULL_SHARD"
+            or "SHARD_GRAD_OP").
+    """
+
+    _strategy_name = "hsdp_ft"
+
+    def __init__(
+        self,
+        *args: Any,
+        min_replica_size: int = 1,
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        replica_timeout: timedelta = timedelta(seconds=60),
+        replica_process_group: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_popen(kwargs, "hsdp_ft")
+        sharding = str(getattr(kwargs.get("sharding_strategy", "FULL_SHARD"), "name", kwargs.get("sharding_strategy", "FULL_SHARD"))).upper()
+        if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            raise ValueError(
+                f"sharding_strategy={kwargs['sharding_strategy']!r} is not supported by 'hsdp_ft' (it shards inside a group and"
+                " replicates across groups itself); accepted: 'FULL_SHARD', 'SHARD_GRAD_OP'"
+            )
+        super().__init__(*args, **kwargs)
+        self._init_replica_groups(min_replica_size, quorum_timeout, replica_timeout, replica_process_group)
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module = super().setup_module(module)
+        self._track_module(module)
+        return module
+
+    @override
+    def _average_across_groups(self) -> None:
+        """One all-reduce over the quorum of this rank's gradient shards, flattened (the mean over the groups)."""
+        grads = [_local_tensor(p.grad) for module in self._modules for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        if not flat.is_floating_point():
+            return
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def __repr__(self) -> str:
+        return f"HSDPFaultTolerantStrategy(min_replica_size={self._min_replica_size})"
+
+
+def _check_popen(kwargs: dict[str, Any], name: str) -> None:
+    if kwargs.setdefault("start_method", "popen") != "popen":
+        raise ValueError(f"start_method={kwargs['start_method']!r} is not supported by {name!r}; accepted: 'popen'")
+
+
+def _local_tensor(value: Any) -> Any:
+    """A DTensor's local part (a sharded parameter's shard on this rank); any other value as it is."""
+    to_local = getattr(value, "to_local", None)
+    return to_local() if callable(to_local) and isinstance(value, torch.Tensor) else value
+
+
+def _local(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by its local part: what rank r sends to rank r of a healing group."""
+    if isinstance(tree, dict):
+        return {key: _local(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(value) for value in tree)
+    return _local_tensor(tree)
+
+
+def _copy_into_module(module: Module, state: dict[str, Any]) -> None:
+    """Copy a peer's local parts into ``module``'s parameters and buffers, in place (shards into shards)."""
+    current = module.state_dict()
+    missing = sorted(set(current) ^ set(state))
+    if missing:
+        raise RuntimeError(f"the peer group's model differs from this group's in {missing[:5]}: every replica group must run the same script")
+    with torch.no_grad():
+        for name, value in current.items():
+            target = _local_tensor(value)
+            if isinstance(target, torch.Tensor):
+                target.copy_(state[name])
+
+
+def _shaped_like_parameters(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A peer's optimizer state (local parts) as this optimizer loads it: per-parameter tensors of a sharded
+    parameter become DTensors on that parameter's mesh again."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, values in state_dict["state"].items():
+        parameter = parameters[int(index)]
+        if isinstance(parameter, DTensor):
+            values = {
+                key: DTensor.from_local(
+                    value, parameter.device_mesh, parameter.placements, run_check=False, shape=parameter.shape, stride=parameter.stride()
+                )
+                if isinstance(value, torch.Tensor) and value.shape == parameter.to_local().shape
+                else value
+                for key, value in values.items()
+            }
+        state[index] = values
+    return {**state_dict, "state": state}
 
 
 class _ReplicaGroupState:
@@ -393,7 +530,7 @@ class _ReplicaGroupState:
 
     per_rank_state = True
 
-    def __init__(self, strategy: FaultTolerantStrategy) -> None:
+    def __init__(self, strategy: Any) -> None:  # a ReplicaGroups strategy
         self._strategy = strategy
 
     def state_dict(self) -> dict[str, Any]:
@@ -414,7 +551,7 @@ class _ReplicaGroupState:
         strategy.manager.load_state_dict({"step": state["committed_steps"], "batches_committed": state["batches_committed"]})
 
 
-def _average_across_groups(strategy, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+def _ddp_average_across_groups(strategy, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
     """DDP's comm hook: the mean inside the group, then the mean over the quorum's groups.
 
     A failure across groups (a peer died mid-step) is recorded by the Manager, which then drops the step at

@@ -23,6 +23,7 @@ from fabric.strategies import STRATEGY_REGISTRY, strategy_launch
 from fabric.strategies.fault_tolerant import (
     FaultTolerantStrategy,
     GroupPositions,
+    HSDPFaultTolerantStrategy,
     import_torchft,
     replica_group_from_environment,
 )
@@ -76,6 +77,15 @@ def test_a_missing_or_bad_replica_group_is_refused_naming_the_variable(change: d
 def test_bad_arguments_are_refused(kwargs: dict, said: str) -> None:
     with pytest.raises(ValueError, match=said.replace("(", r"\(").replace(")", r"\)")):
         FaultTolerantStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("sharding", ["HYBRID_SHARD", "NO_SHARD"])
+def test_hsdp_ft_shards_only_inside_a_group(sharding: str) -> None:
+    with pytest.raises(ValueError, match=f"sharding_strategy='{sharding}' is not supported by 'hsdp_ft'"):
+        HSDPFaultTolerantStrategy(sharding_strategy=sharding)
+    assert strategy_launch("hsdp_ft") == "per_device"
+    with pytest.raises(ValueError, match="start_method='fork' is not supported by 'hsdp_ft'"):
+        HSDPFaultTolerantStrategy(start_method="fork")
 
 
 def test_ddp_never_rebuilds_its_buckets_so_every_group_lays_gradients_out_alike() -> None:
@@ -157,19 +167,28 @@ def _lighthouse(log: Path) -> tuple[subprocess.Popen, str]:
     return process, line.split("listening on ")[1].split()[0]
 
 
-def _groups(lighthouse: str, out: Path, *args: object, restarts: int = 0) -> list[tuple[int, str, str]]:
+def _groups(lighthouse: Path | str, out: Path, *args: object, restarts: int = 0, strategy: str = "ddp_ft", devices: int = 1) -> list[tuple[int, str, str]]:
     out.mkdir(exist_ok=True)
     procs = [
-        start(fabric_run("--accelerator", "cpu", "--devices", 1, "--replica-group", group, "--num-replica-groups", 2,
+        start(fabric_run("--accelerator", "cpu", "--devices", devices, "--replica-group", group, "--num-replica-groups", 2,
                          "--lighthouse", lighthouse, "--max-restarts", restarts, GROUP_SCRIPT, out, *args),
-              env=clean_env(OMP_NUM_THREADS="1"))
+              env=clean_env(OMP_NUM_THREADS="1", FT_STRATEGY=strategy))
         for group in (0, 1)
     ]
     return finish(procs, 200)
 
 
-def _rows(out: Path, group: int, attempt: int) -> list[dict]:
-    return [json.loads(line) for line in (out / f"group{group}_rank0_attempt{attempt}.jsonl").read_text().splitlines()]
+def _rows(out: Path, group: int, attempt: int, rank: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (out / f"group{group}_rank{rank}_attempt{attempt}.jsonl").read_text().splitlines()]
+
+
+def _shard_order(group: int, rank: int, ranks_per_group: int) -> list[int]:
+    """The sample indices of (group, rank)'s shard in epoch 0, as the distributed sampler orders them."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(4096), num_replicas=2 * ranks_per_group, rank=group * ranks_per_group + rank, shuffle=True, seed=7)
+    sampler.set_epoch(0)
+    return list(sampler)
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -184,15 +203,13 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
-@pytest.fixture(scope="module")
-def live_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The job with a failure: group 1 SIGKILLs itself after the forward of step 12 and is restarted once."""
+def _job_with_a_failure(out: Path, strategy: str, devices: int) -> Path:
+    """Group 1 (every rank) SIGKILLs itself after the forward of step 12 and is restarted once; group 0 goes on."""
     import_torchft()
-    out = tmp_path_factory.mktemp("ft_live")
     lighthouse, address = _lighthouse(out / "lighthouse.log")
     try:
         results = _groups(address, out, "--die-group", 1, "--die-at", DIE_AT, "--steps", 30, "--save-at", *SAVED_AT,
-                          restarts=1)
+                          restarts=1, strategy=strategy, devices=devices)
     finally:
         lighthouse.send_signal(signal.SIGTERM)
         lighthouse_status = lighthouse.wait(timeout=20)
@@ -203,55 +220,56 @@ def live_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-# the subject of the live job is a killed rank restarted by its launcher: fresh interpreters (`cold`), no warm ranks
+@pytest.fixture(scope="module")
+def live_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _job_with_a_failure(tmp_path_factory.mktemp("ft_live"), "ddp_ft", devices=1)
+
+
+def _check_the_failure_and_the_healing(job: Path, ranks: int) -> None:
+    for rank in range(ranks):
+        survivor, died, rejoined = _rows(job, 0, 0, rank), _rows(job, 1, 0, rank), _rows(job, 1, 1, rank)
+        assert not (job / f"group0_rank{rank}_attempt1.jsonl").exists()  # group 0 never stopped
+        assert died[-1]["committed"] == DIE_AT - 1
+        assert any(row["participants"] == 1 for row in survivor)  # it went on alone
+        # the step under way when group 1 died was dropped: group 0 logged DIE_AT - 1 twice
+        assert [row["committed"] for row in survivor].count(DIE_AT - 1) == 2
+        # healed: the first step after the restart continues the peer's count, with both groups in the quorum
+        first = rejoined[0]
+        assert first["committed"] > DIE_AT and first["participants"] == 2
+        assert (first["committed"], 2) in [(row["committed"], row["participants"]) for row in survivor]
+        assert survivor[-1]["committed"] == rejoined[-1]["committed"] >= 30
+        # rank `rank` of both groups ends with the same weights and optimizer state (the same shards under hsdp_ft)
+        final = [torch.load(job / f"group{group}_rank{rank}_final.pt") for group in (0, 1)]
+        for name, value in final[0]["model"].items():
+            assert torch.equal(value, final[1]["model"][name]), (rank, name)
+        for saved, other in zip(final[0]["optimizer"]["state"].values(), final[1]["optimizer"]["state"].values()):
+            assert torch.equal(saved["momentum_buffer"], other["momentum_buffer"])
+        # each group reads only its own shard, each sample once; the rejoined group from where it stood
+        read = [index for row in died + rejoined for index in row["indices"]]
+        assert read == _shard_order(1, rank, ranks)[: len(read)]
+        assert rejoined[0]["indices"] == _shard_order(1, rank, ranks)[4 * (DIE_AT - 1) : 4 * DIE_AT]
+        survived = [index for row in survivor for index in row["indices"]]
+        assert survived == _shard_order(0, rank, ranks)[: len(survived)]
+    assert _processes_mentioning(str(job)) == []  # no rank, launcher or lighthouse left
+
+
+# the subject is a killed rank restarted by its launcher: fresh interpreters (`cold`), no warm ranks
 @pytest.mark.procs
 @pytest.mark.cold
-@pytest.mark.timing  # group 0 steps alone only while group 1's restart outlasts the lighthouse's 2 s heartbeat timeout
 @pytest.mark.timeout(300)
-def test_a_group_that_dies_mid_step_leaves_the_other_training_and_comes_back_healed(live_job: Path) -> None:
-    survivor, died, rejoined = _rows(live_job, 0, 0), _rows(live_job, 1, 0), _rows(live_job, 1, 1)
-    assert not (live_job / "group0_rank0_attempt1.jsonl").exists()  # group 0 never stopped
-    assert died[-1]["committed"] == DIE_AT - 1
-    assert any(row["participants"] == 1 for row in survivor)  # it went on alone
-    # the step under way when group 1 died was dropped: group 0 logged DIE_AT - 1 twice
-    assert [row["committed"] for row in survivor].count(DIE_AT - 1) == 2
-    # healed: the first step after the restart continues the peer's count, with both groups in the quorum
-    first = rejoined[0]
-    assert first["committed"] > DIE_AT and first["participants"] == 2
-    assert {"committed": first["committed"], "participants": 2} in [{k: row[k] for k in ("committed", "participants")} for row in survivor]
-    assert survivor[-1]["committed"] == rejoined[-1]["committed"] >= 30
-    final = [torch.load(live_job / f"group{group}_final.pt") for group in (0, 1)]
-    for name, value in final[0]["model"].items():
-        assert torch.equal(value, final[1]["model"][name]), name
-    for saved, other in zip(final[0]["optimizer"]["state"].values(), final[1]["optimizer"]["state"].values()):
-        assert torch.equal(saved["momentum_buffer"], other["momentum_buffer"])
-    assert _processes_mentioning(str(live_job)) == []  # no rank, launcher or lighthouse left
+def test_a_group_that_dies_mid_step_leaves_the_other_training_and_comes_back_healed_where_it_stood(live_job: Path) -> None:
+    _check_the_failure_and_the_healing(live_job, ranks=1)
 
 
 @pytest.mark.procs
 @pytest.mark.cold
-@pytest.mark.timing
 @pytest.mark.timeout(300)
-def test_a_rejoined_group_continues_its_own_data_where_it_stood(live_job: Path) -> None:
-    from torch.utils.data import DistributedSampler
-
-    order = {}
-    for group in (0, 1):
-        sampler = DistributedSampler(range(4096), num_replicas=2, rank=group, shuffle=True, seed=7)
-        sampler.set_epoch(0)
-        order[group] = list(sampler)
-    died, rejoined = _rows(live_job, 1, 0), _rows(live_job, 1, 1)
-    read = [index for row in died + rejoined for index in row["indices"]]
-    # its shard in order: the batches it applied, then (after the restart) the batch it died in and onwards
-    assert read == order[1][: len(read)]
-    assert rejoined[0]["indices"] == order[1][4 * (DIE_AT - 1) : 4 * DIE_AT]
-    survivor = [index for row in _rows(live_job, 0, 0) for index in row["indices"]]
-    assert survivor == order[0][: len(survivor)]  # group 0 only ever read its own shard, each sample once
+def test_hsdp_ft_two_groups_of_two_ranks_heal_shard_by_shard(tmp_path: Path) -> None:
+    _check_the_failure_and_the_healing(_job_with_a_failure(tmp_path, "hsdp_ft", devices=2), ranks=2)
 
 
 @pytest.mark.procs
 @pytest.mark.cold
-@pytest.mark.timing
 @pytest.mark.timeout(300)
 def test_a_cold_start_of_every_group_from_one_groups_checkpoint_resumes_exactly(live_job: Path, tmp_path: Path) -> None:
     first, last = SAVED_AT
@@ -269,6 +287,6 @@ def test_a_cold_start_of_every_group_from_one_groups_checkpoint_resumes_exactly(
         # each group continues its own shard, though the file was group 0's
         assert [row["indices"] for row in resumed] == [row["indices"] for row in _rows(live_job, group, 0)[first:last]]
         expected = torch.load(live_job / f"group{group}_step{last}.ckpt", weights_only=False)["model"]
-        final = torch.load(tmp_path / f"group{group}_final.pt")["model"]
+        final = torch.load(tmp_path / f"group{group}_rank0_final.pt")["model"]
         for name, value in final.items():
             assert torch.equal(value, expected[name]), (group, name)

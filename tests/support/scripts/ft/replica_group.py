@@ -1,13 +1,15 @@
-"""One replica group of a fault-tolerant (``ddp_ft``) job: trains until both groups committed ``--steps`` together.
+"""One replica group of a fault-tolerant job (``FT_STRATEGY``: ``ddp_ft``, the default, or ``hsdp_ft``).
 
-Each step appends one line to ``OUT/group{G}_attempt{A}.jsonl``: the committed step count after the step, the
-quorum's size and the sample indices this rank read. With ``--die-group G --die-at N``, group G SIGKILLs
-itself on its first attempt after the forward of the step that would commit step N. At the end each group
-writes its weights and optimizer state to ``OUT/group{G}_final.pt``. ``--save-at K ...`` saves a checkpoint
+Each step appends one line to ``OUT/group{G}_rank{R}_attempt{A}.jsonl``: the committed step count after the
+step, the quorum's size and the sample indices this rank read. With ``--die-group G --die-at N``, every rank
+of group G SIGKILLs itself on its first attempt after the forward of the step that would commit step N; the
+restarted group waits until another group has committed a step without it (``OUT/stepped_alone``), so that
+every run shows the others going on, whatever the machine's speed. ``--save-at K ...`` saves a checkpoint
 after each committed step K; ``--resume FILE`` loads one before the first step.
 
-The job ends when a step committed with every group taking part and at least ``--steps`` committed: both
-groups see that same step (one quorum), so both stop after it with the same weights.
+The job ends after the first step committed with every group taking part and at least ``--steps``
+committed: all groups see that same step (one quorum), so all stop after it, with the same weights. Then each
+rank writes its weights and optimizer state (its shards under ``hsdp_ft``) to ``OUT/group{G}_rank{R}_final.pt``.
 """
 
 import argparse
@@ -46,13 +48,22 @@ parser.add_argument("--time-limit", type=float, default=150.0)
 parser.add_argument("--save-at", type=int, nargs="*", default=[], help="save OUT/group{G}_step{K}.ckpt after committed step K")
 parser.add_argument("--resume", type=Path, default=None, help="a checkpoint to load before training")
 args = parser.parse_args()
+started = time.monotonic()
 
-fabric = Fabric(accelerator="cpu", devices=int(os.environ.get("FT_DEVICES", "1")), strategy="ddp_ft")
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+alone = args.out / "stepped_alone"  # a group committed a step without the dead one
+if attempt > 0 and args.die_group >= 0:
+    # the restarted group comes back only once the others went on without it: what the test checks, in any order
+    while not alone.exists():
+        if time.monotonic() > started + args.time_limit:
+            raise SystemExit("no group stepped alone while this one was down")
+        time.sleep(0.05)
+
+fabric = Fabric(accelerator="cpu", strategy=os.environ.get("FT_STRATEGY", "ddp_ft"))  # devices: `fabric run --devices`
 fabric.launch()
 fabric.seed_everything(7)
 strategy = fabric.strategy
 group, groups = strategy.replica_group, strategy.num_replica_groups
-attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -62,10 +73,9 @@ loader = fabric.setup_dataloaders(DataLoader(Indexed(4096), batch_size=4, shuffl
 state = {"model": model, "optimizer": optimizer, "loader": loader}
 if args.resume is not None:
     fabric.load(args.resume, state)
-log = open(args.out / f"group{group}_rank{fabric.global_rank}_attempt{attempt}.jsonl", "a")  # noqa: SIM115 (a line per step until the end)
-deadline = time.monotonic() + args.time_limit
+log = open(args.out / f"group{group}_rank{fabric.global_rank}_attempt{attempt}.jsonl", "w")  # noqa: SIM115 (a line per step until the end)
+deadline = started + args.time_limit
 done = False
-epoch = 0
 while not done:
     for inputs, indices in loader:
         optimizer.zero_grad()
@@ -77,17 +87,25 @@ while not done:
         committed, participants = strategy.committed_steps, strategy.participants
         if committed in args.save_at:
             fabric.save(args.out / f"group{group}_step{committed}.ckpt", state)
-        log.write(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "attempt": attempt, "committed": committed, "participants": participants, "epoch": epoch, "indices": indices.tolist()}) + "\n")
+        row = {"pid": os.getpid(), "attempt": attempt, "committed": committed, "participants": participants, "indices": indices.tolist()}
+        log.write(json.dumps(row) + "\n")
         log.flush()
+        if participants < groups:
+            alone.touch()
         if committed >= args.steps and participants == groups:
             done = True
             break
         if time.monotonic() > deadline:
             raise SystemExit(f"group {group}: no step with all {groups} groups after {args.steps} steps within {args.time_limit} s")
         time.sleep(args.step_time)
-    epoch += 1
 
-if fabric.global_rank == 0:
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    torch.save(state, args.out / f"group{group}_final.pt")
+def _local(tree):
+    if isinstance(tree, dict):
+        return {key: _local(value) for key, value in tree.items()}
+    return tree.to_local() if hasattr(tree, "to_local") else tree
+
+
+# this rank's part of the weights and optimizer state (its shards under hsdp_ft)
+state = {"model": _local(model.state_dict()), "optimizer": _local(optimizer.state_dict())}
+torch.save(state, args.out / f"group{group}_rank{fabric.global_rank}_final.pt")
 print(f"group {group} done at committed step {strategy.committed_steps}", flush=True)
