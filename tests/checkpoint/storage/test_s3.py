@@ -374,3 +374,47 @@ def test_consolidate_a_sharded_checkpoint_from_a_bucket_to_a_file_and_to_the_buc
         assert all(torch.equal(full["model"][name], value) for name, value in model.state_dict().items())
         assert torch.equal(full["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     assert main([f"{bucket}/full.pt", str(tmp_path / "again.pt")]) == 1  # a file, not a sharded checkpoint
+
+
+_OUTSIDE_WRITER = """
+import sys, torch
+from fabric import Fabric
+from fabric.checkpoint.storage import objects as storage
+url, how = sys.argv[1], sys.argv[2]
+if how == "save":
+    Fabric(accelerator="cpu", devices=1).save(url, {"model": {"w": torch.full((64,), 2.0)}})
+else:  # flip a byte of the checkpoint's data object in place
+    fs, path = storage.filesystem(url)
+    import json
+    record = json.loads(fs.cat_file(path))
+    target = storage.generation_prefix(path, record["generation"]) + "/" + storage.FILE_OBJECT
+    data = bytearray(fs.cat_file(target))
+    data[len(data) // 2] ^= 0x10
+    fs.pipe_file(target, bytes(data))
+"""
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_a_checkpoint_another_process_replaced_or_changed_after_this_one_read_it(bucket: str) -> None:
+    # this process reads the checkpoint (s3fs keeps what it learnt of the objects); another process then saves
+    # anew to the same URL, then damages it: the next loads here read the new save, then refuse the damaged one
+    # with our error, never s3fs's raw FileExpired nor a stale copy
+    import subprocess
+    import sys
+
+    from support.environment import clean_env
+
+    fabric = cpu_fabric()
+    url = f"{bucket}/shared.pt"
+    fabric.save(url, {"model": {"w": torch.full((64,), 1.0)}})
+    assert torch.equal(fabric.load(url)["model"]["w"], torch.full((64,), 1.0))
+    env = clean_env(**{name: os.environ[name] for name in VARIABLES})
+    for how in ("save", "flip"):
+        subprocess.run([sys.executable, "-c", _OUTSIDE_WRITER, url, how], env=env, check=True, timeout=90, capture_output=True)
+        if how == "save":
+            assert torch.equal(fabric.load(url)["model"]["w"], torch.full((64,), 2.0))
+    state = {"model": {"w": torch.zeros(64)}}
+    with pytest.raises(storage.CommitRecordError, match=r"shared\.pt.*CRC-32"):
+        fabric.load(url, state)
+    assert torch.equal(state["model"]["w"], torch.zeros(64))
