@@ -153,12 +153,13 @@ def test_a_dropped_step_leaves_weights_and_optimizer_as_they_were_and_backward_n
 
 
 def _lighthouse(log: Path) -> tuple[subprocess.Popen, str]:
-    """``fabric-torch lighthouse`` on a free port; a group is taken for dead after 2 s without a heartbeat.
+    """``fabric-torch lighthouse`` on a free port; a group is taken for dead after 2 s without a heartbeat, and a quorum
+    waits up to 5 s for a group that sends heartbeats but has not asked yet (the job's start, a rejoining group).
 
     Its log (a line per quorum) goes to the file ``log``: a pipe nobody reads would fill and stall it.
     """
     command = [sys.executable, "-m", "fabric", "lighthouse", "--min-replicas", "1", "--port", "0",
-               "--heartbeat-timeout-ms", "2000", "--join-timeout-ms", "1000"]
+               "--heartbeat-timeout-ms", "2000", "--join-timeout-ms", "5000"]
     with log.open("w") as stderr:
         process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=stderr, text=True, stdin=subprocess.DEVNULL)
     assert process.stdout is not None

@@ -7,7 +7,8 @@ restarted group waits until another group has committed a step without it (``OUT
 every run shows the others going on, whatever the machine's speed. ``--save-at K ...`` saves a checkpoint
 after each committed step K; ``--resume FILE`` loads one before the first step.
 
-The job ends after the first step committed with every group taking part and at least ``--steps``
+Every rank of every group waits for the others before the first step, so the job starts with all groups in
+the quorum. The job ends after the first step committed with every group taking part and at least ``--steps``
 committed: all groups see that same step (one quorum), so all stop after it, with the same weights. Then each
 rank writes its weights and optimizer state (its shards under ``hsdp_ft``) to ``OUT/group{G}_rank{R}_final.pt``.
 """
@@ -64,6 +65,16 @@ fabric.launch()
 fabric.seed_everything(7)
 strategy = fabric.strategy
 group, groups = strategy.replica_group, strategy.num_replica_groups
+if attempt == 0:
+    # every rank of every group is up (its Manager heartbeating) before the first quorum, so the lighthouse waits
+    # for all of them (--join-timeout-ms): the job starts with every group, whatever the order of their start-ups
+    (args.out / f"ready_group{group}_rank{fabric.global_rank}").touch()
+    while len(list(args.out.glob("ready_group*"))) < groups * fabric.world_size:
+        if time.monotonic() > started + args.time_limit:
+            raise SystemExit("the other groups never came up")
+        time.sleep(0.05)
+# the Fabric API's collectives and ranks are the group's own
+assert fabric.all_reduce(torch.tensor(1.0), reduce_op="sum").item() == fabric.world_size == int(os.environ.get("WORLD_SIZE", "1"))
 
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
