@@ -9,7 +9,7 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check -c constrain
 DEMO_STAMP := $(VENV)/.fabric-demo
 TEST_STAMP := $(VENV)/.fabric-test
 
-.PHONY: venv demo test test-fast coverage check horovod bench gpu-check clean
+.PHONY: venv demo test test-fast test-ray coverage check horovod bench gpu-check clean
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,12 @@ test: check
 ## The loop to run after every edit: every test that starts no process (about a minute).
 test-fast: venv
 	$(PYTHON) -m pytest -q -m "not procs"
+
+## The Ray Train recipe (docs/ray.md): installs the `ray` extra (about 160 MB, so not part of `make test`), then runs
+## tests/test_ray_train.py: a worker SIGKILLed under TorchTrainer, the restarted job's losses equal to an uninterrupted run's.
+test-ray: venv
+	$(PIP) -e ".[ray]"
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/test_ray_train.py
 
 ## Line coverage of fabric/, the processes the tests start included (coverage.py's subprocess patch): the tests as
 ## `make test` runs them (the `timing` ones alone, after); the report (htmlcov/ and the screen) even if a test failed,
