@@ -34,11 +34,12 @@ check: venv
 	$(VENV)/bin/mypy
 
 ## The checks, then the test suite: every test but the `timing` ones in TEST_WORKERS pytest-xdist processes (one per
-## core), then the `timing` ones alone, one at a time. Horovod tests run when Horovod is installed (`make horovod`).
+## core), then the `timing` ones alone, one at a time; each tier lists its slowest tests (where the suite's time
+## goes). Horovod tests run when Horovod is installed (`make horovod`).
 TEST_WORKERS ?= auto
 test: check
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not timing"
-	$(PYTHON) -m pytest -q -m timing
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not timing" --durations=25
+	$(PYTHON) -m pytest -q -m timing --durations=15
 
 ## The loop to run after every edit: every test that starts no process (about a minute).
 test-fast: venv
