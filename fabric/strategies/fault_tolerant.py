@@ -303,10 +303,11 @@ class ReplicaGroups:
         if positions is None or not positions.loaders:
             return
         manager = self.manager
-        summed = positions.contribution()
+        # on the rank's device: the process group across groups is NCCL's on GPUs, which serves nothing else
+        summed = positions.contribution().to(self.root_device)  # type: ignore[attr-defined]
         manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
         if manager.errored() is None:
-            positions.take(summed)
+            positions.take(summed.cpu())
 
     # ---- checkpoints -------------------------------------------------------------------------------------
 
@@ -513,11 +514,13 @@ def _shaped_like_parameters(optimizer: Optimizer, state_dict: dict[str, Any]) ->
     for index, values in state_dict["state"].items():
         parameter = parameters[int(index)]
         if isinstance(parameter, DTensor):
+            local = parameter.to_local()  # the transfer arrives in CPU memory: the shard goes where the parameter's is
             values = {
                 key: DTensor.from_local(
-                    value, parameter.device_mesh, parameter.placements, run_check=False, shape=parameter.shape, stride=parameter.stride()
+                    value.to(local.device), parameter.device_mesh, parameter.placements, run_check=False, shape=parameter.shape,
+                    stride=parameter.stride(),
                 )
-                if isinstance(value, torch.Tensor) and value.shape == parameter.to_local().shape
+                if isinstance(value, torch.Tensor) and value.shape == local.shape
                 else value
                 for key, value in values.items()
             }
