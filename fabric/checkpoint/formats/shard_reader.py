@@ -350,11 +350,20 @@ def first_failure(err: BaseException) -> str:
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         rank = min(failures)
-        inner = failures[rank]
-        inner = inner[0] if isinstance(inner, tuple) else inner
+        inner = own_error(err)
         text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
         return f"on rank {rank}: {type(inner).__name__}: {text}"
     return f"{type(err).__name__}: {err}"
+
+
+def own_error(err: BaseException) -> BaseException:
+    """The first rank's own error inside torch's ``CheckpointException``; ``err`` itself for any other error."""
+    failures = getattr(err, "failures", None)
+    if not (isinstance(failures, dict) and failures):
+        return err
+    inner = failures[min(failures)]
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    return inner if isinstance(inner, BaseException) else err
 
 
 @contextmanager

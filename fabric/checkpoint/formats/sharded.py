@@ -40,6 +40,7 @@ from fabric.checkpoint.formats.shard_reader import (
     SafeFileSystemReader,
     check_index_crc,
     first_failure,
+    own_error,
     quiet_single_process,
     read_index,
 )
@@ -114,7 +115,7 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             with quiet_single_process():
                 dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
         except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
-            part: dict[str, Any] = {"error": f"writing the shards failed {first_failure(err)}"}
+            part: dict[str, Any] = {"error": f"writing the shards failed {first_failure(err)}", "timeout": _timed_out(err)}
             # torch's message for a full disk ("unexpected pos 704 vs 598") never names it: look at the free space
             full = disk.out_of_space(save.folder, nbytes)
             if full is not None:
@@ -125,14 +126,15 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
 
         def commit() -> None:
             assert parts is not None
-            errors = [part["error"] for part in parts if "error" in part]
-            if errors:
-                raise RuntimeError(f"{failed} {errors[0]}")
+            failures = [part for part in parts if "error" in part]
+            if failures:
+                raise (TimeoutError if failures[0].get("timeout") else RuntimeError)(f"{failed} {failures[0]['error']}")
             try:
                 binding = save.binding(parts)
                 save.commit(lambda file: torch.save({**objects, **binding}, file))
             except Exception as err:
-                raise RuntimeError(f"{failed} {type(err).__name__}: {save.describe(err)}") from err
+                error = TimeoutError if _timed_out(err) else RuntimeError
+                raise error(f"{failed} {type(err).__name__}: {save.describe(err)}") from err
 
         try:
             on_rank_zero(commit, rank=rank, broadcast=partial(broadcast_in_group, group=group))
@@ -142,6 +144,19 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             raise
     finally:
         save.close()
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether a rank's error came from a store call that got no answer within its bound: the save then raises a
+    ``TimeoutError`` on every rank, as a single-file save does."""
+    seen: set[int] = set()
+    current: BaseException | None = own_error(err)
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TimeoutError):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _local_bytes(tensors: dict[str, Tensor]) -> int:

@@ -199,7 +199,8 @@ class StoreSave:
             return {"data_files": data_files, "uploaded": uploaded}
         except Exception as err:
             self._silent = unreachable(err)
-            return {"error": f"uploading rank {rank}'s part failed: {type(err).__name__}: {_scrub(err, self.url)}"}
+            failed = f"uploading rank {rank}'s part failed: {type(err).__name__}: {_scrub(err, self.url)}"
+            return {"error": failed, "timeout": isinstance(err, TimeoutError)}
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         self._uploaded: dict[str, Any] = {}

@@ -160,6 +160,7 @@ def test_a_single_file_save_cut_off_from_the_server_fails_within_the_bound_and_t
     cut = time.monotonic()
     failed = job.next("failed", 60)
     assert_failed_within(failed, cut, BOUND, f"Could not save the checkpoint {url!r}", "previous checkpoint")
+    assert failed["type"] == "TimeoutError", failed
     assert job.ended(60) - failed["at"] < SLACK
     from fabric.plugins.io import safe_load
 
@@ -181,6 +182,7 @@ def test_a_sharded_save_cut_off_from_the_server_fails_within_the_bound_and_the_p
     cut = time.monotonic()
     failed = job.next("failed", 60)
     assert_failed_within(failed, cut, BOUND, f"Saving the sharded checkpoint {url!r} failed; the previous one is kept")
+    assert failed["type"] == "TimeoutError", failed  # as a single-file save's, on every rank
     assert job.ended(60) - failed["at"] < SLACK
     assert [path.name for path in (tmp_path / "tmp").iterdir() if path.name.startswith(STAGING_PREFIX)] == []  # none left
     from fabric.checkpoint.formats.sharded import load_sharded
