@@ -31,7 +31,7 @@ from fabric.checkpoint.storage import objects as storage
 from support.environment import job_environment
 from support.loading import load_script, script_path
 
-pytestmark = [pytest.mark.timing, pytest.mark.procs, pytest.mark.cold, pytest.mark.usefixtures("clean_fabric_env")]
+pytestmark = [pytest.mark.timing, pytest.mark.procs, pytest.mark.usefixtures("clean_fabric_env")]
 
 writer = load_script("checkpoint", "store_writer")
 payloads = load_script("checkpoint", "save_writer")

@@ -1,6 +1,7 @@
 """Launching: ranks are right straight after ``Fabric(...)``, and a script that never calls
 ``fabric.launch()`` runs under external launchers (real processes: torchrun, ``fabric run``, and
-srun and Kubeflow simulated by their environment variables).
+srun and Kubeflow simulated by their environment variables). The launchers start fresh; the ranks they start run
+warm (their subject is what our code in a rank does without ``launch()``, not a Python process starting).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from fabric import Fabric
 from fabric.strategies import DDPStrategy
 from support.environment import free_port, isolate, job_environment
 from support.loading import script_path
-
-pytestmark = pytest.mark.cold
 
 SCRIPT = script_path("launchers", "no_launch.py")
 TIMEOUT = 120
@@ -110,6 +109,7 @@ def _mpirun() -> Path:
 
 
 @pytest.mark.procs
+@pytest.mark.cold  # MPICH hands each rank its PMI connection as an open file, which a warm worker does not inherit
 @pytest.mark.timeout(TIMEOUT)
 def test_no_launch_under_mpirun_and_launch_stays_allowed(tmp_path):
     env = job_environment()
