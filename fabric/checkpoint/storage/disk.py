@@ -485,7 +485,7 @@ def fsync_folder(folder: Path) -> None:
 TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"
 ASIDE_PREFIX = ".fabric-old-"
 SPARE_PREFIX = ".fabric-spare-"
-WRITER_FILE = ".fabric-writer"  # in a temporary or aside folder: "host pid" of the save's rank 0, never published
+WRITER_FILE = ".fabric-writer"  # in a temporary or aside folder: "host pid" of the save's rank 0, removed once published
 _TOKEN_BYTES = 6
 
 
@@ -522,6 +522,7 @@ def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[s
         for entry in spare.iterdir():
             if entry.name not in keep:
                 _remove(entry)
+        mark_writer(spare)  # a kill once it is the temporary folder must find it named
         os.rename(spare, temp_folder_for(path, token))
 
 
@@ -612,13 +613,15 @@ def commit_folder(temp: Path, path: str | Path, token: str) -> None:
     path = Path(path)
     fsync_folder(temp)
     aside = path.parent / f"{ASIDE_PREFIX}{path.name}.{token}"
-    unmark_writer(temp)
     replacing = _exists(path)
     if replacing:
         os.rename(path, aside)
         if aside.is_dir() and not aside.is_symlink():
             mark_writer(aside)  # a kill before the spare takes its place leaves it for the next load to clean
     os.rename(temp, path)
+    # the record goes only now: a kill before the rename leaves a temporary folder that names its writer (a kill
+    # after it, a checkpoint holding a record that nothing reads and the next save's aside copy overwrites)
+    unmark_writer(path)
     fsync_folder(path.parent)
     if not replacing:
         return

@@ -176,3 +176,50 @@ def test_a_new_job_saving_under_another_name_removes_a_killed_saves_folder(tmp_p
                    check=True, timeout=120)
     assert not stale.exists()
     assert (tmp_path / "other.pt").is_file()
+
+
+_KILLED_AT = textwrap.dedent("""\
+    import os, signal, sys
+    import torch
+    from torch import nn
+    from fabric.checkpoint.formats.sharded import save_sharded
+    from fabric.checkpoint.storage import disk
+
+    folder, moment = sys.argv[1], sys.argv[2]
+    rename = os.rename
+
+    def rename_then_maybe_die(src, dst):
+        name = os.path.basename(str(src))
+        if moment == "commit" and name.startswith(disk.TEMP_FOLDER_PREFIX) and str(dst) == folder:
+            os.kill(os.getpid(), signal.SIGKILL)  # the save's files are written: killed as it publishes them
+        rename(src, dst)
+        if moment == "spare" and name.startswith(disk.SPARE_PREFIX):
+            os.kill(os.getpid(), signal.SIGKILL)  # the previous save's folder has just become this one's temporary
+
+    os.rename = rename_then_maybe_die
+    for step in range(3):
+        save_sharded(folder, {"model": nn.Linear(8, 8), "step": step})
+""")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("moment", ["commit", "spare"])
+def test_a_save_killed_as_it_commits_or_takes_up_its_spare_folder_leaves_a_folder_the_next_job_removes(
+    tmp_path: Path, moment: str
+) -> None:
+    """The two moments at which a sharded save's temporary folder used to hold no writer record (before: the
+    record was removed before the folder was renamed into place, and added only after the spare folder of the
+    previous save was renamed to be the temporary one): a kill there left the folder for good."""
+    folder = tmp_path / "ckpt"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AT, str(folder), moment], env=clean_env(OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    [temp] = tmp_path.glob(f"{publish.TEMP_FOLDER_PREFIX}ckpt.*")
+    job = "import sys; from fabric import Fabric; Fabric(accelerator='cpu', devices=1).save(sys.argv[1], {'step': 1})"
+    subprocess.run([sys.executable, "-c", job, str(tmp_path / "other.pt")], env=clean_env(OMP_NUM_THREADS="1"),
+                   check=True, timeout=120)
+    assert not temp.exists()
+    if moment == "spare":  # the second save is the checkpoint, whole (its commit made the first one the spare)
+        assert Fabric(accelerator="cpu", devices=1).load(folder, {"model": nn.Linear(8, 8)})["step"] == 1
+    else:
+        assert not folder.exists()
