@@ -37,6 +37,10 @@ from fabric.utilities.group_lifetime import (
 )
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# How long the ranks wait for each other to join, at least, whatever the group's timeout: a short timeout is
+# there to end a hung collective quickly, not to fail a job whose ranks start a few seconds apart (a loaded
+# machine, another node that starts later). After joining the store's calls take the group's timeout.
+JOIN_TIMEOUT_FLOOR = timedelta(minutes=5)
 
 _NAMED_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -152,15 +156,19 @@ class ProcessGroupStrategy(ParallelStrategy):
         single_machine = self.num_nodes == 1 and self.world_size == self.num_processes
         if single_machine:
             keep_gloo_on_loopback()
-        store = _restart_attempt_store(env.main_address, env.main_port, self.world_size, self._timeout)
+        timeout = self._timeout or _default_timeout(self.process_group_backend)
+        joining = max(timeout, JOIN_TIMEOUT_FLOOR)
+        store = _restart_attempt_store(env.main_address, env.main_port, self.world_size, joining)
         if store is None:
             store = _job_store(env.main_address, env.main_port, self.global_rank, self.world_size, single_machine,
-                               self._timeout or _default_timeout(self.process_group_backend))
+                               joining)
         kwargs["store"] = store
+        _wait_for_every_rank(store, self.global_rank, self.world_size, joining)
         bind_default_arguments_before_the_group_exists()
         dist.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, **kwargs)
         # no rank may leave (and close its connections) while a peer is still joining
         wait_until_every_rank_has_joined()
+        store.set_timeout(timeout)  # from here on the store's calls are bounded as the collectives are
         # Leaving the group explicitly at exit is cheap (~10 ms); left to the destructors, a gloo group can
         # hold the interpreter's exit up by half a second, which every rank of every job pays.
         atexit.register(leave_process_group_at_exit)
@@ -354,7 +362,7 @@ class _DDPBackwardSyncControl(BackwardSyncControl):
         return module.no_sync()
 
 
-def _restart_attempt_store(host: str, port: int, world_size: int, timeout: timedelta | None) -> Any:
+def _restart_attempt_store(host: str, port: int, world_size: int, timeout: timedelta) -> Any:
     """Under torchrun, a store of this restart attempt's own; None elsewhere (torch's env:// store is fine).
 
     torchrun's agent keeps one store for the whole job (static and c10d rendezvous alike), and the
@@ -364,7 +372,7 @@ def _restart_attempt_store(host: str, port: int, world_size: int, timeout: timed
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout or timedelta(minutes=30))
+    client = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"fabric/attempt_{attempt}", client)
 
 
@@ -376,6 +384,16 @@ def _job_store(host: str, port: int, rank: int, world_size: int, single_machine:
     store = dist.TCPStore(**tcp_store_arguments(host, port, is_server=rank == 0, single_machine=single_machine,
                                                 timeout=timeout, world_size=world_size, warn=rank_zero_warn))
     return dist.PrefixStore("default_pg", store)  # the keys where torch's own rendezvous puts them
+
+
+def _wait_for_every_rank(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Return once every rank has reached the store (at most ``timeout``).
+
+    torch's group joins with the group's own timeout (gloo waits that long for a peer's address), so a
+    rank whose start took longer than a short timeout failed the job; past this wait every rank is there.
+    """
+    store.set(f"fabric/arrived/{rank}", b"1")
+    store.wait([f"fabric/arrived/{peer}" for peer in range(world_size)], timeout)
 
 
 def _default_timeout(backend: str) -> timedelta:

@@ -35,6 +35,9 @@ _PARALLEL = 2
 def _command(how: str, devices: int, *extra: str) -> list[str]:
     if how == "launch":
         return [PYTHON, str(JOB), "--devices", str(devices), *extra]
+    if how == "torchrun":
+        return [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(devices), "--master-port",
+                str(free_port()), str(JOB), *extra]
     return fabric_run("--accelerator", "cpu", "--devices", devices, "--main-port", free_port(), JOB, *extra)
 
 
@@ -80,3 +83,26 @@ def test_short_jobs_end_cleanly_again_and_again(tmp_path: Path) -> None:
     jobs = [(how, devices, ()) for devices, times in ((2, 4), (4, 2)) for _ in range(times) for how in ("launch", "fabric run")]
     failures = _run_jobs(tmp_path, jobs)
     assert not failures, f"{len(failures)} of {len(jobs)} jobs failed:\n" + "\n".join(failures)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_starts_later_than_the_timeout_still_joins(tmp_path: Path) -> None:
+    """``DDPStrategy(timeout=2 s)`` is there to end a hung collective quickly; rank 1 starts 6 s late, and the
+    job still runs, under ``launch()``, ``fabric-torch run`` and torchrun: joining waits at least
+    ``JOIN_TIMEOUT_FLOOR``, and after it the store's calls are bounded by the 2 s again. Before, each of the
+    three failed ("Timed out after 3 seconds waiting for clients. 1/2 clients joined"; under torchrun gloo's
+    "wait timeout after 2000ms")."""
+
+    def one(how: str) -> str | None:
+        folder = tmp_path / how.replace(" ", "_")
+        folder.mkdir()
+        result = run(_command(how, 2, "--timeout", "2", "--late", "6"), timeout=_JOB_TIMEOUT, env=job_environment(),
+                     cwd=folder, check=False)
+        lines = [line for line in result.stdout.splitlines() if line.startswith("sum")]
+        if result.returncode == 0 and lines == ["sum 1 store timeout 2"] * 2:
+            return None
+        return f"{how}: exit {result.returncode}, {lines}\n{result.stderr[-1500:]}"
+
+    with ThreadPoolExecutor(_PARALLEL) as pool:
+        failures = [outcome for outcome in pool.map(one, ("launch", "fabric run", "torchrun")) if outcome]
+    assert not failures, "\n".join(failures)
