@@ -128,7 +128,9 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             assert parts is not None
             failures = [part for part in parts if "error" in part]
             if failures:
-                raise (TimeoutError if failures[0].get("timeout") else RuntimeError)(f"{failed} {failures[0]['error']}")
+                first = failures[0]  # a store out of reach gives the class a single-file save gives: an OSError
+                error = TimeoutError if first.get("timeout") else OSError if first.get("unreachable") else RuntimeError
+                raise error(f"{failed} {first['error']}")
             try:
                 binding = save.binding(parts)
                 save.commit(lambda file: torch.save({**objects, **binding}, file))

@@ -38,6 +38,10 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 BOUND = 5.0  # FABRIC_STORE_TIMEOUT in these jobs (s)
 SLACK = 3.0  # what a loaded machine may add to a bound (s)
+# A cut store is out of reach: the save raises TimeoutError when the bound runs out first, an OSError saying the
+# endpoint could not be reached when the client's retries of refused connects run out first (both OSErrors),
+# whichever comes first on this run; never another class, and the same for a single-file and a sharded save.
+UNREACHABLE = ("TimeoutError", "OSError")
 
 
 class Job:
@@ -160,7 +164,7 @@ def test_a_single_file_save_cut_off_from_the_server_fails_within_the_bound_and_t
     cut = time.monotonic()
     failed = job.next("failed", 60)
     assert_failed_within(failed, cut, BOUND, f"Could not save the checkpoint {url!r}", "previous checkpoint")
-    assert failed["type"] == "TimeoutError", failed
+    assert failed["type"] in UNREACHABLE, failed
     assert job.ended(60) - failed["at"] < SLACK
     from fabric.plugins.io import safe_load
 
@@ -182,7 +186,7 @@ def test_a_sharded_save_cut_off_from_the_server_fails_within_the_bound_and_the_p
     cut = time.monotonic()
     failed = job.next("failed", 60)
     assert_failed_within(failed, cut, BOUND, f"Saving the sharded checkpoint {url!r} failed; the previous one is kept")
-    assert failed["type"] == "TimeoutError", failed  # as a single-file save's, on every rank
+    assert failed["type"] in UNREACHABLE, failed  # as a single-file save's
     assert job.ended(60) - failed["at"] < SLACK
     assert [path.name for path in (tmp_path / "tmp").iterdir() if path.name.startswith(STAGING_PREFIX)] == []  # none left
     from fabric.checkpoint.formats.sharded import load_sharded
