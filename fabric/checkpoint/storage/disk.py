@@ -527,11 +527,15 @@ def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[s
 
 
 def mark_writer(folder: Path) -> None:
-    """Record in ``folder`` (a save's temporary or aside folder) that this process, on this host, writes it."""
+    """Record in ``folder`` (a save's temporary or aside folder) that this process, on this host, writes it. The
+    record appears whole or not at all (written under another name, then renamed): a save killed between creating
+    it and writing it left an empty record, which keeps its folder from every clean-up."""
     import socket
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / WRITER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    part = folder / f"{WRITER_FILE}.part"
+    part.write_text(f"{socket.gethostname()} {os.getpid()}\n")
+    os.replace(part, folder / WRITER_FILE)
 
 
 def unmark_writer(folder: Path) -> None:
