@@ -115,7 +115,8 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             with quiet_single_process():
                 dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=not _distributed())
         except (Exception, dcp.CheckpointException) as err:  # torch gathers every rank's failure (a BaseException)
-            part: dict[str, Any] = {"error": f"writing the shards failed {first_failure(err)}", "timeout": _timed_out(err)}
+            part: dict[str, Any] = {"error": f"writing the shards failed {first_failure(err)}",
+                                    "raises": "TimeoutError" if _timed_out(err) else "RuntimeError"}
             # torch's message for a full disk ("unexpected pos 704 vs 598") never names it: look at the free space
             full = disk.out_of_space(save.folder, nbytes)
             if full is not None:
@@ -128,9 +129,8 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             assert parts is not None
             failures = [part for part in parts if "error" in part]
             if failures:
-                first = failures[0]  # a store out of reach gives the class a single-file save gives: an OSError
-                error = TimeoutError if first.get("timeout") else OSError if first.get("unreachable") else RuntimeError
-                raise error(f"{failed} {first['error']}")
+                first = failures[0]
+                raise _PART_ERRORS[first["raises"]](f"{failed} {first['error']}")
             try:
                 binding = save.binding(parts)
                 save.commit(lambda file: torch.save({**objects, **binding}, file))
@@ -146,6 +146,11 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             raise
     finally:
         save.close()
+
+
+# the class a rank's failed part names (it crosses ranks as a string): a store out of reach gives the class a
+# single-file save gives, TimeoutError or another OSError
+_PART_ERRORS: dict[str, type[Exception]] = {"TimeoutError": TimeoutError, "OSError": OSError, "RuntimeError": RuntimeError}
 
 
 def _timed_out(err: BaseException) -> bool:

@@ -200,7 +200,8 @@ class StoreSave:
         except Exception as err:
             self._silent = unreachable(err)
             failed = f"uploading rank {rank}'s part failed: {type(err).__name__}: {_scrub(err, self.url)}"
-            return {"error": failed, "timeout": isinstance(err, TimeoutError), "unreachable": self._silent}
+            raises = "TimeoutError" if isinstance(err, TimeoutError) else "OSError" if self._silent else "RuntimeError"
+            return {"error": failed, "raises": raises}
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         self._uploaded: dict[str, Any] = {}

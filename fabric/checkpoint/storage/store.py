@@ -88,7 +88,7 @@ class ShardedSave(Protocol):
         """torch's storage writer for this rank's ``nbytes`` of shards."""
 
     def part(self, writer: Any, rank: int) -> dict[str, Any]:
-        """This rank's part of the commit, once its shards are written (or ``{"error": ..., "timeout": bool, "unreachable": bool}``)."""
+        """This rank's part of the commit, once its shards are written (or ``{"error": ..., "raises": <the class's name>}``)."""
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Rank 0: what the objects file records to bind the save's files (index CRC, save id, data files)."""
