@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from support.environment import clean_env
 from support.processes import fabric_run, run
 
 # appends its pid and attempt to OUT/pids; SIGKILLs itself the first time (OUT/died not there yet), else exits 0
@@ -23,9 +26,13 @@ if not os.path.exists(os.path.join(out, "died")):
 """
 
 
-def _die_once(folder: Path) -> Path:
+def _skip_unless_warm() -> None:
     if os.environ.get("TEST_WARM_RANKS", "0") == "0":
         pytest.skip("warm ranks are off (TEST_WARM_RANKS=0)")
+
+
+def _die_once(folder: Path) -> Path:
+    _skip_unless_warm()
     script = folder / "die_once.py"
     script.write_text(DIE_ONCE)
     return script
@@ -53,3 +60,30 @@ def test_a_launcher_restarts_a_warm_rank_that_sigkilled_itself(tmp_path: Path) -
     result = run(fabric_run("--max-restarts", 1, script, tmp_path), timeout=40)
     assert "rank 0 was killed by SIGKILL" in result.stderr
     assert [attempt for _, attempt in _runs(tmp_path)] == ["0", "1"]
+
+
+# calls os.setsid() and prints what became of it: "ok" or the errno
+SETSID = """
+import errno
+import os
+try:
+    os.setsid()
+    print("ok")
+except OSError as error:
+    print(error.errno)
+"""
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("own_session", [False, True], ids=["child", "session-leader"])
+def test_a_warm_workers_setsid_answers_as_its_stand_ins_would(tmp_path: Path, own_session: bool) -> None:
+    """A fresh child may call setsid() (horovodrun's middlemen do); one that already leads its process group gets
+    EPERM. The worker already leads a session of its own, so its call answers for the stand-in."""
+    script = tmp_path / "setsid.py"
+    script.write_text(SETSID)
+    _skip_unless_warm()
+    result = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=40,
+                            start_new_session=own_session)
+    assert result.stdout.split() == ([str(errno.EPERM)] if own_session else ["ok"]), result.stderr
+    assert str(script) in Path(os.environ["TEST_WARM_RANKS"] + ".log").read_text()  # it ran warm

@@ -27,7 +27,9 @@ from support import REPO
 from support.environment import clean_env
 from support.loading import script_path
 
-pytestmark = [pytest.mark.procs, pytest.mark.cold]
+# the jobs' subject is the strategy (collectives, training, checkpoints): warm ranks; horovodrun's launcher too, as a
+# program (its middlemen's os.setsid() is answered as the stand-in's would be: support/warm_ranks.py)
+pytestmark = [pytest.mark.procs]
 
 pytest.importorskip("horovod", reason="Horovod is not installed; `make horovod` (scripts/build_horovod.sh) builds it")
 
@@ -365,6 +367,7 @@ def test_checkpoint_saved_once_and_loaded_on_every_rank(training: list[dict[str,
 # ---- failures, examples, one process -------------------------------------------------------------
 
 
+@pytest.mark.cold  # its subject is how a rank's failure ends the job: fresh interpreters
 @pytest.mark.timeout(120)
 def test_failing_rank_ends_the_job_with_its_error() -> None:
     code, output, seconds = horovod_job(SCRIPTS / "failure.py", timeout=60)

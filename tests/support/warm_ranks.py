@@ -9,8 +9,8 @@ every open file descriptor; the warm parent forks a *worker* that takes them on 
 numbers, its own session) and runs the program as Python would. The started process stays as the
 worker's *stand-in*: it passes on every signal it gets to the worker, ends with the worker's exit status
 (or signal), and if it is SIGKILLed the warm parent SIGKILLs the worker. ``os.getppid()`` in the worker
-answers the stand-in's parent, so a rank still knows its launcher. Each job's worker is a fresh fork: no
-job sees what another changed.
+answers the stand-in's parent, so a rank still knows its launcher, and ``os.setsid()`` succeeds or fails as the
+stand-in's would. Each job's worker is a fresh fork: no job sees what another changed.
 
 Only processes whose environment would import the same torch get a warm worker: the variables read when
 torch and Python start (``SENSITIVE``) must equal the warm parent's; anything else starts cold as before.
@@ -297,6 +297,7 @@ def _become(request: dict[str, Any], received: list[int], default_threads: int) 
     os.environ.update(env)
     stand_in = int(request["stand_in"])
     _answer_parent_as(stand_in)
+    _setsid_as(stand_in)
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or default_threads))
@@ -348,6 +349,25 @@ def _answer_parent_as(stand_in: int) -> None:
 
     getppid.__wrapped__ = real  # type: ignore[attr-defined]
     os.getppid = getppid
+
+
+def _setsid_as(stand_in: int) -> None:
+    """``os.setsid()`` succeeds where the stand-in's would: the worker already leads a session of its own (what the call
+    makes), so it only refuses, with EPERM, when the stand-in leads its process group (horovodrun's middleman calls
+    it in a spawned child)."""
+    real = os.setsid
+
+    def setsid() -> None:
+        try:
+            with open(f"/proc/{stand_in}/stat") as file:
+                group = int(file.read().rsplit(")", 1)[1].split()[2])
+        except (OSError, IndexError, ValueError):
+            group = 0
+        if group == stand_in:
+            raise PermissionError(1, os.strerror(1))
+
+    setsid.__wrapped__ = real  # type: ignore[attr-defined]
+    os.setsid = setsid
 
 
 def _fresh_stdio(unbuffered: bool) -> None:
