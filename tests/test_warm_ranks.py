@@ -64,7 +64,6 @@ def test_a_launcher_restarts_a_warm_rank_that_sigkilled_itself(tmp_path: Path) -
 
 # calls os.setsid() and prints what became of it: "ok" or the errno
 SETSID = """
-import errno
 import os
 try:
     os.setsid()
@@ -80,9 +79,9 @@ except OSError as error:
 def test_a_warm_workers_setsid_answers_as_its_stand_ins_would(tmp_path: Path, own_session: bool) -> None:
     """A fresh child may call setsid() (horovodrun's middlemen do); one that already leads its process group gets
     EPERM. The worker already leads a session of its own, so its call answers for the stand-in."""
+    _skip_unless_warm()
     script = tmp_path / "setsid.py"
     script.write_text(SETSID)
-    _skip_unless_warm()
     result = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, timeout=40,
                             start_new_session=own_session)
     assert result.stdout.split() == ([str(errno.EPERM)] if own_session else ["ok"]), result.stderr

@@ -19,6 +19,7 @@ Tests whose subject is starting a process (marked ``cold``) never set the variab
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -335,17 +336,22 @@ def _take_descriptors(numbers: list[int], received: list[int]) -> None:
                 pass
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command's name (state, ppid, pgrp, ...); none once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _answer_parent_as(stand_in: int) -> None:
     """``os.getppid()`` answers the stand-in's parent (1 once the stand-in is gone), as it would in the stand-in."""
     real = os.getppid
 
     def getppid() -> int:
-        try:
-            with open(f"/proc/{stand_in}/stat") as file:
-                fields = file.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return 1
-        return 1 if fields[0] in ("Z", "X") else int(fields[1])
+        fields = _stat(stand_in)
+        return int(fields[1]) if fields and fields[0] not in ("Z", "X") else 1
 
     getppid.__wrapped__ = real  # type: ignore[attr-defined]
     os.getppid = getppid
@@ -358,13 +364,9 @@ def _setsid_as(stand_in: int) -> None:
     real = os.setsid
 
     def setsid() -> None:
-        try:
-            with open(f"/proc/{stand_in}/stat") as file:
-                group = int(file.read().rsplit(")", 1)[1].split()[2])
-        except (OSError, IndexError, ValueError):
-            group = 0
-        if group == stand_in:
-            raise PermissionError(1, os.strerror(1))
+        fields = _stat(stand_in)
+        if fields and int(fields[2]) == stand_in:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
 
     setsid.__wrapped__ = real  # type: ignore[attr-defined]
     os.setsid = setsid
