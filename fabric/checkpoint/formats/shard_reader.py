@@ -4,12 +4,8 @@
 planted there could run any code on load. Our reader unpickles it with an allow-list: the index's
 own record classes, torch dtypes/layouts/sizes and paths, nothing callable beyond those. Non-tensor
 values never go through the folder's data files (fabric keeps them in a ``weights_only`` file), so
-tensors are all this reader hands out.
-
-Each item is read once: ``torch.load`` reads it through ``integrity.load_checked``, which checks every
-record's CRC-32 as the bytes arrive. An item laid out exactly as a whole staging tensor of the load (new
-storage made for it, see ``sharded_folder``) is read straight into that tensor's memory (``tensor_record``);
-one that fills it in another layout gives it the storage ``torch.load`` made instead of being copied into it.
+tensors are all this reader hands out. How each item is read, once and its CRCs checked on the way:
+docs/architecture.md, "A sharded checkpoint's life".
 """
 
 from __future__ import annotations
@@ -57,9 +53,7 @@ _ALLOWED_GLOBALS = {
 
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES and not name.startswith("__"):
-            return super().find_class(module, name)
-        if (module, name) in _ALLOWED_GLOBALS:
+        if (module in _ALLOWED_MODULES and not name.startswith("__")) or (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
@@ -88,20 +82,18 @@ class SafeFileSystemReader(FileSystemReader):
         return read_index(self.path, load_id=self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._fetch is not None:
-            needed: dict[str, list[tuple[int, int, str]]] = {}
-            for item in plan.items:
-                info = self.storage_data[item.storage_index]
-                needed.setdefault(info.relative_path, []).append((info.offset, info.length, item.storage_index.fqn))
-            self._fetch(needed)
+        needed: dict[str, list[tuple[int, int, str]]] = {}
         by_file: dict[str, list[ReadItem]] = {}
         other = []
         for item in plan.items:
             info = self.storage_data[item.storage_index]
+            needed.setdefault(info.relative_path, []).append((info.offset, info.length, item.storage_index.fqn))
             if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:  # no tensor, or no archive (compressed)
                 other.append(item)
             else:
                 by_file.setdefault(info.relative_path, []).append(item)
+        if self._fetch is not None:
+            self._fetch(needed)
         if other:
             super().read_data(LoadPlan(other, plan.storage_data, plan.planner_data), planner).wait()
         for name, items in by_file.items():
@@ -258,7 +250,7 @@ def check_data_files_belong(
 ) -> None:
     """Every data file the index names exists (``check_data_files``) and is the one the save recorded in the
     objects file: same name, size and records' CRC-32s (``data_files_of``), checked before anything is read;
-    one that differs is named. Sizes are compared before the digests.
+    one that differs is named.
 
     A folder saved before fabric recorded its data files (``recorded`` is None) is loaded with only the
     index's checks, and said so once per process. ``share``: ``(rank, world_size)`` when the ranks agree on
@@ -270,21 +262,8 @@ def check_data_files_belong(
         say_once_unbound(folder)
         check_data_files(folder, metadata)
         return
-    if not isinstance(recorded, dict) or not all(isinstance(entry, dict) for entry in recorded.values()):
-        raise CheckpointLoadError(f"Checkpoint {str(folder)!r} is damaged: {OBJECTS_FILE!r} holds no valid list of data files")
     this_save = f"the save that wrote {OBJECTS_FILE!r} and {METADATA_FILE!r} (save {save_id})"
-    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    for name in sorted(set(recorded) - named) if only is None else ():
-        if not (Path(folder) / name).is_file():
-            raise CheckpointLoadError(
-                f"Checkpoint {str(folder)!r} is incomplete: its data file {name!r}, written by {this_save}, is missing"
-            )
-    unlisted = sorted(named - set(recorded))
-    if unlisted:
-        raise CheckpointLoadError(
-            f"Checkpoint {str(folder)!r} mixes files of different saves: {unlisted[0]!r} is named by its index but was"
-            f" not written by {this_save}"
-        )
+    named = check_files_listed(str(folder), recorded, metadata, this_save, Path(folder) if only is None else None)
     written = {name: entry.get("bytes") for name, entry in recorded.items()}
     if only is not None:
         named &= only
@@ -311,6 +290,24 @@ def check_data_files_belong(
             + f" does not belong to {this_save}: the checksums of its records differ from those that save recorded"
             " (a file from an older or another save, or another rank's file copied or swapped in)"
         )
+
+
+def check_files_listed(shown: str, recorded: Any, metadata: Metadata, this_save: str, folder: Path | None = None) -> set[str]:
+    """The data files the index names (returned), each listed in ``recorded`` (the objects file's list, written by
+    ``this_save``); with ``folder``, the files listed beyond those are there too. Messages name ``shown``."""
+    if not isinstance(recorded, dict) or not all(isinstance(entry, dict) for entry in recorded.values()):
+        raise CheckpointLoadError(f"Checkpoint {shown!r} is damaged: {OBJECTS_FILE!r} holds no valid list of data files")
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    for name in sorted(set(recorded) - named) if folder is not None else ():
+        if not (folder / name).is_file():
+            raise CheckpointLoadError(f"Checkpoint {shown!r} is incomplete: its data file {name!r}, written by {this_save}, is missing")
+    unlisted = sorted(named - set(recorded))
+    if unlisted:
+        raise CheckpointLoadError(
+            f"Checkpoint {shown!r} mixes files of different saves: {unlisted[0]!r} is named by its index but was"
+            f" not written by {this_save}"
+        )
+    return named
 
 
 def say_once_unbound(folder: str | os.PathLike) -> None:

@@ -1,11 +1,9 @@
 """Atomic publishing: a checkpoint on disk is always the previous one or the new one, whole.
 
-One file (``atomic_save``): written as a temporary file in the same folder, fsynced, renamed over the
-target (rename is atomic on POSIX and Windows), then the folder entry is fsynced. Stale temporary files
-of dead writers are removed by the next save.
-
-A folder (a sharded checkpoint): every rank writes into a temporary folder beside the target
-(``.fabric-tmpdir-NAME.TOKEN``); once all are done, rank 0 fsyncs and publishes it with renames:
+One file (:func:`atomic_write`): a temporary file in the same folder, fsynced, renamed over the target
+(rename is atomic on POSIX and Windows), then the folder entry fsynced. A folder (a sharded checkpoint):
+every rank writes into a temporary folder beside the target (``.fabric-tmpdir-NAME.TOKEN``); once all are
+done, rank 0 fsyncs and publishes it with renames:
 
 1. ``NAME`` (if any) is renamed aside to ``.fabric-old-NAME.TOKEN``
 2. the temporary folder is renamed to ``NAME``
@@ -14,7 +12,7 @@ A folder (a sharded checkpoint): every rank writes into a temporary folder besid
 A crash before 1 leaves ``NAME`` untouched; between 1 and 2 ``NAME`` is missing and the aside copy is
 the previous checkpoint, whole: :func:`resolve_for_load` finds it and the next save puts it back
 (:func:`prepare_target`); after 2 ``NAME`` is the new checkpoint and leftovers are cleaned up by the
-next save. Every piece can be tested without processes.
+next save.
 
 Why a spare: the next save renames it to its temporary folder and overwrites its files in place.
 On ext4 rewriting existing files measured ~1.6x faster than writing new ones and deleting the old
@@ -36,8 +34,11 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from torch.distributed.checkpoint import FileSystemWriter
+
 from fabric._core.processes import process_alive
-from fabric.checkpoint.formats.shard_reader import INDEX_FILE, LIGHTNING_META_FILE, OBJECTS_FILE
+from fabric.checkpoint.formats.shard_reader import INDEX_FILE, LIGHTNING_META_FILE, OBJECTS_FILE, check_data_files_belong, data_files_of, read_index
+from fabric.checkpoint.integrity import crc32
 from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave
 
 T = TypeVar("T")
@@ -188,17 +189,12 @@ class _FolderSave:
         self.folder = temp_folder_for(path, token)
 
     def writer(self, nbytes: int) -> Any:
-        import torch.distributed.checkpoint as dcp
-
-        return dcp.FileSystemWriter(self.folder, sync_files=True)
+        return FileSystemWriter(self.folder, sync_files=True)
 
     def part(self, writer: Any, rank: int) -> dict[str, Any]:
         return {}  # rank 0 reads every rank's files from the folder they share
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        from fabric.checkpoint.formats.shard_reader import data_files_of, read_index
-        from fabric.checkpoint.integrity import crc32
-
         # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
         # CRCs) carries one for it, and binds every data file to this save (name, size, its records' CRCs)
         index_crc = crc32((self.folder / INDEX_FILE).read_bytes())
@@ -231,8 +227,6 @@ class _FolderRead:
         return resolve_for_load(self.path)
 
     def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
-        from fabric.checkpoint.formats.shard_reader import check_data_files_belong
-
         check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
 
     def naming(self) -> AbstractContextManager[None]:
@@ -477,9 +471,6 @@ def fsync_folder(folder: Path) -> None:
 
 
 # ---- folders --------------------------------------------------------------------------------
-
-
-
 
 
 TEMP_FOLDER_PREFIX = ".fabric-tmpdir-"

@@ -1,16 +1,13 @@
-"""Checkpoints on an object store (any fsspec URL): the ``Store`` whose saves are committed by a record.
-
-Every object of a save goes under a new generation prefix beside the target, then the commit record is
-written at the target itself, last (``objects``: the record, generations, checked uploads and fetches); a
-sharded save is staged locally and uploaded as it is written (``sharded_store``).
+"""Checkpoints on an object store (any fsspec URL): the ``Store`` whose saves are committed by a record written
+last (``objects``: the record, generations, checked uploads and fetches); a sharded save is staged locally and
+uploaded as it is written (``sharded_store``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import IO, Any, TypeVar
+from typing import IO, TypeVar
 
 from fabric._core.urls import error_summary, unreachable
 from fabric.checkpoint.errors import CommitRecordError, is_pickling_error
@@ -25,6 +22,7 @@ from fabric.checkpoint.storage.objects import (
     library_errors,
     new_generation,
     read_record,
+    reading,
     redact,
     remove_failed_generation,
     remove_generations,
@@ -38,7 +36,7 @@ T = TypeVar("T")
 
 class ObjectStore:
     """Checkpoints on an object store (any fsspec URL): every object of a save under a new generation, the commit
-    record written last (module docstring). Reads go through the record: the one ``detect`` read, when it ran."""
+    record written last (``objects``). Reads go through the record: the one ``detect`` read, when it ran."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -48,17 +46,10 @@ class ObjectStore:
     def __repr__(self) -> str:
         return f"ObjectStore({self.shown!r})"
 
-    def _filesystem(self) -> tuple[Any, str]:
-        return filesystem(self.url)
-
-    def _reading(self) -> AbstractContextManager[None]:
-        """A storage library's error in the block as ours, naming the checkpoint (``objects.library_errors``)."""
-        return library_errors(f"Could not read the checkpoint {self.shown!r}", self.url)
-
     def detect(self) -> Found:
-        fs, path = self._filesystem()
+        fs, path = filesystem(self.url)
         try:
-            with self._reading():
+            with reading(self.url):
                 record = read_record(fs, path, self.url)
         except FileNotFoundError:
             return Found("missing")
@@ -70,16 +61,16 @@ class ObjectStore:
     def record(self, kind: str) -> Record:
         """The commit record (the one adopted, else read now), checked to be of ``kind``."""
         if self._record is None:
-            fs, path = self._filesystem()
-            with self._reading():
+            fs, path = filesystem(self.url)
+            with reading(self.url):
                 self._record = read_record(fs, path, self.url)
         if self._record.kind != kind:
             raise CommitRecordError(f"{self.shown!r} is a {self._record.kind} checkpoint, not a {kind} one")
         return self._record
 
     def exists(self) -> bool:
-        fs, path = self._filesystem()
-        with self._reading():
+        fs, path = filesystem(self.url)
+        with reading(self.url):
             return bool(fs.exists(path))
 
     def is_folder(self) -> bool:
@@ -92,7 +83,7 @@ class ObjectStore:
         pass  # a store has no FIFOs, and a cut save's objects are not loaded (no record names them)
 
     def write_file(self, produce: Callable[[IO[bytes]], None], replace_folder: bool = False) -> None:
-        fs, path = self._filesystem()
+        fs, path = filesystem(self.url)
         generation = new_generation()
         committing = False
         try:
@@ -111,14 +102,14 @@ class ObjectStore:
                 if silent and committing:
                     kept = "the checkpoint there is the previous one, if any, or this one, whole: the commit record was on its way"
                 raise (TimeoutError if isinstance(err, TimeoutError) else OSError)(
-                    f"Could not save the checkpoint {self.shown!r}: {type(err).__name__}: {_first_line(err)} ({kept})"
+                    f"Could not save the checkpoint {self.shown!r}: {type(err).__name__}: {error_summary(err, self.url)} ({kept})"
                 ) from err
             raise
 
     def read_file(self, load: Callable[[int, int, str], T]) -> T:
         record = self.record("file")
-        fs, path = self._filesystem()
-        with self._reading():
+        fs, path = filesystem(self.url)
+        with reading(self.url):
             fd = fetch_object(fs, path, record, FILE_OBJECT, self.url)
         try:
             return load(fd, record.objects[FILE_OBJECT]["size"], self.shown)
@@ -127,7 +118,7 @@ class ObjectStore:
 
     def remove(self) -> None:
         """The commit record first (it stops being a checkpoint), then its objects."""
-        fs, path = self._filesystem()
+        fs, path = filesystem(self.url)
         try:
             with library_errors(f"Could not remove the checkpoint {self.shown!r}", self.url):
                 fs.rm(path)
@@ -136,7 +127,7 @@ class ObjectStore:
         remove_generations(fs, path)
 
     def prepare_sharded_save(self, files_written: frozenset[str]) -> str:
-        self._filesystem()  # the scheme and the library, checked on rank 0 before any rank writes
+        filesystem(self.url)  # the scheme and the library, checked on rank 0 before any rank writes
         return new_generation()
 
     def sharded_save(self, ticket: str) -> ShardedSave:
@@ -145,6 +136,3 @@ class ObjectStore:
     def sharded_read(self) -> ShardedRead:
         return StoreFolder(self.url, lambda: self.record("sharded"))
 
-
-def _first_line(err: BaseException) -> str:
-    return error_summary(err)

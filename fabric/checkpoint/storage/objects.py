@@ -1,17 +1,10 @@
 """The objects of checkpoints on a store (any fsspec URL): the commit record, generations, checked transfers.
 
-An object store has no rename and no fsync, so a checkpoint becomes visible by a *commit record*: every
-object of a new save is written first, under a new generation prefix beside the target
-(``URL.fabric/GENERATION/...``); then one small JSON object at the target URL itself names the generation
-and lists every object with its size and CRC-32. A load reads the record first and refuses a checkpoint
-whose record is missing, or whose objects are missing or differ from it; the previous checkpoint stays
-loadable until the new record is written, and older generations are removed only after it is.
-
-A sharded checkpoint (a folder of ``torch.distributed.checkpoint`` shards) is committed the same way: its
-objects (every rank's data files, the index, ``fabric-objects.pt``) go under the generation, and the record,
-of kind ``"sharded"``, also keeps the CRC-32 of every item (one tensor's archive) of each data file, in file
-order, so a load can fetch just the byte ranges its ranks read and still check every byte it uses
-(:func:`fetch_items`). Staging folders (:func:`new_staging`) hold a rank's part while it is written or read.
+An object store has no rename and no fsync, so a save becomes the checkpoint by a *commit record*, one small
+JSON object written last at the target URL: it names the save's generation (``URL.fabric/GENERATION/``, where
+every object went first) and each object's size and CRC-32; a sharded data file's entry also keeps each item's,
+so a load can fetch just the byte ranges its ranks read (:func:`fetch_items`) and still check every byte. The
+previous checkpoint stays loadable until the record is written; older generations go only after it.
 
 fsspec and the storage libraries are imported on first use of a URL, never at ``import fabric``.
 """
@@ -25,19 +18,17 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fabric._core.processes import process_alive
 from fabric._core.urls import (
-    MissingStorageLibraryError,
     filesystem,
     is_url,
     local_or_url,
     redact,
-    scheme_of,
     storage_error,
     unreachable,
     without_secrets,
@@ -45,16 +36,13 @@ from fabric._core.urls import (
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
 from fabric.checkpoint.integrity import crc32
 
-T = TypeVar("T")
-
+# names of other modules that code and tests import from here
 __all__ = [
     "CommitRecordError",
-    "MissingStorageLibraryError",
     "filesystem",
     "is_url",
     "local_or_url",
     "redact",
-    "scheme_of",
 ]
 
 RECORD_FORMAT = "fabric-commit"
@@ -80,6 +68,11 @@ def library_errors(what: str, url: str) -> Iterator[None]:
         raise
     except Exception as err:
         raise storage_error(what, url, err) from without_secrets(err, url)
+
+
+def reading(url: str, what: str = "the checkpoint") -> AbstractContextManager[None]:
+    """:func:`library_errors` of a read of ``what`` at ``url``."""
+    return library_errors(f"Could not read {what} {redact(url)!r}", url)
 
 
 # ---- the commit record ----------------------------------------------------------------------
@@ -348,7 +341,7 @@ def write_object(fs: Any, path: str, produce: Callable[[Any], None], where: str)
         answers = not unreachable(failed)
         _give_up(file, answers)
         if answers:
-            _remove_quietly(fs, path)
+            remove_object_quietly(fs, path)
         if failed is not err:
             raise failed from failed.__cause__  # its own cause, if any, without torch's error about it
         raise
@@ -505,10 +498,6 @@ def remove_abandoned_staging(folder: Path) -> list[Path]:
 
 def remove_object_quietly(fs: Any, path: str) -> None:
     """Remove the object ``path`` if it can be removed; never raises."""
-    _remove_quietly(fs, path)
-
-
-def _remove_quietly(fs: Any, path: str) -> None:
     try:
         fs.rm(path)
     except Exception:
@@ -575,18 +564,27 @@ def _listed_object(fs: Any, path: str, record: Record, name: str, url: str) -> t
 
 
 def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: int, local: Path | None = None) -> None:
-    """The object read in GETs of up to 32 MB (each one call to the store, so each bounded: ``cat_file``)."""
     remote, where, size = _listed_object(fs, path, record, name, url)
-    position, crc = 0, 0
-    while position < size:
-        piece = fs.cat_file(remote, start=position, end=min(size, position + _RANGE_PIECE))
+    digests = ItemDigests([(0, size)])
+    _fetch_range(fs, remote, 0, size, digests, fd, local, where, "(truncated while it was read)")
+    if digests.crcs[0] != record.objects[name]["crc32"]:
+        raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
+
+
+def _fetch_range(fs: Any, remote: str, start: int, end: int, digests: ItemDigests, fd: int, local: Path | None, where: str, cut: str) -> None:
+    """Bytes ``start`` to ``end`` of ``remote``, digested and written to ``fd`` (at their offsets in ``local``, else
+    in order), in GETs of up to 32 MiB: each one call to the store, so each bounded (``cat_file``)."""
+    position = start
+    while position < end:
+        stop = min(end, position + _RANGE_PIECE)
+        piece = fs.cat_file(remote, start=position, end=stop)
         if not piece:
-            raise CommitRecordError(f"{where} ends at byte {position}, before byte {size} (truncated while it was read)")
-        crc = crc32(piece, crc)
+            raise CommitRecordError(f"{where} ends at byte {position}, before byte {end} {cut}")
+        if len(piece) > stop - position:  # a store that answers a range with more bytes: none of them is trusted
+            raise CommitRecordError(f"{where}: the store answered bytes {position} to {stop} with {len(piece)} bytes")
+        digests.update(piece, position)
         _write_all(fd, piece, position if local is not None else None, where, local)
         position += len(piece)
-    if crc != record.objects[name]["crc32"]:
-        raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
 
 
 def _write_all(fd: int, data: Any, offset: int | None, where: str, local: Path | None) -> None:
@@ -626,14 +624,7 @@ def fetch_items(
         for group in _runs(sorted((offset, length, held) for (offset, length), held in unique.items())):
             start, end = group[0][0], group[-1][0] + group[-1][1]
             digests = ItemDigests([(offset, length) for offset, length, _ in group])
-            position = start
-            while position < end:
-                piece = fs.cat_file(remote, start=position, end=min(end, position + _RANGE_PIECE))
-                if not piece:
-                    raise CommitRecordError(f"{where} ends at byte {position}, before byte {end} the index places data up to (truncated)")
-                digests.update(piece, position)
-                _write_all(fd, piece, position, where, local)
-                position += len(piece)
+            _fetch_range(fs, remote, start, end, digests, fd, local, where, "the index places data up to (truncated)")
             for (offset, length, held), crc in zip(group, digests.crcs):
                 if crc != crcs[(offset, length)]:
                     raise CommitRecordError(

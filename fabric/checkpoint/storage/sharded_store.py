@@ -1,26 +1,11 @@
 """Sharded checkpoints on a store (any fsspec URL): written and read through a local staging folder,
-made visible by the commit record (``fabric.checkpoint.storage.object_store``).
+made visible by the commit record (``object_store``); the flow is told in docs/architecture.md ("A sharded
+checkpoint on a store").
 
-Saving, on every rank: the shards are written exactly as into a local folder, but into a private staging
-folder (``storage.new_staging``, in ``TMPDIR``; not synced: it need not survive a crash), and each data file
-is uploaded under ``URL.fabric/GENERATION/`` while torch writes it (``storage.GrowingUpload``: a thread
-sends what is written so far, read back from the page cache, digesting size and CRC-32 on the way), so the
-save costs about the slower of writing and uploading, not their sum. The generation is named by rank 0 for
-all. Once written, each rank takes each item's CRC-32 and each file's records digest (from its archives'
-directories, as for a local folder) from its staging copy; rank 0 uploads the index. Rank 0 gathers every
-rank's digests (or its error), writes ``fabric-objects.pt`` with the same binding a local folder's carries
-(the index's CRC, the generation as the save id, every data file's size and records digest), then the
-commit record of kind ``"sharded"``, last, then removes older generations.
-Every rank learns the outcome; a failure anywhere leaves the previous checkpoint as it was (its record is
-untouched) and removes the new generation's objects and the staging folders.
-
-Loading: every rank uses the one record rank 0 read (a save committing meanwhile cannot give two ranks two
-checkpoints). The index and the objects file are fetched into a staging folder, each checked against the
-record's size and CRC-32; the record, the objects file and the index must describe the same save. Then the
-local load walk runs on that folder with all its checks; the reader fetches just the items this rank's read
-plan touches (:meth:`StoreFolder.fetch`), each checked against its CRC-32 in the record before it is read,
-and a data file fetched whole is also checked against the objects file's records digest. Messages name the
-URL, never the staging folder.
+A save's staging folder is not synced: it need not survive a crash. Each data file is uploaded while torch
+writes it, so a save costs about the slower of writing and uploading, not their sum; a failure anywhere
+leaves the previous checkpoint as it was (its record is untouched). Every rank of a load uses the one record
+rank 0 read: a save committing meanwhile cannot give two ranks two checkpoints.
 """
 
 from __future__ import annotations
@@ -29,7 +14,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 import fabric.checkpoint.storage.objects as storage
 from fabric._core.urls import error_summary, unreachable
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
-from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE, check_data_files_belong, data_files_written
+from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE, check_data_files_belong, check_files_listed, data_files_written
 
 __all__ = ["StoreFolder", "StoreSave"]
 
@@ -146,7 +131,7 @@ class _RecordingWriter(FileSystemWriter):
 
 class StoreSave:
     """One rank's side of a sharded save to a store: its shards written into a staging folder and uploaded as they
-    are written; rank 0 uploads the objects file and commits the record (module docstring)."""
+    are written; rank 0 uploads the objects file and commits the record."""
 
     room_hint = " (set TMPDIR to a folder with room)"
 
@@ -199,7 +184,7 @@ class StoreSave:
             return {"data_files": data_files, "uploaded": uploaded}
         except Exception as err:
             self._silent = unreachable(err)
-            failed = f"uploading rank {rank}'s part failed: {type(err).__name__}: {_scrub(err, self.url)}"
+            failed = f"uploading rank {rank}'s part failed: {type(err).__name__}: {error_summary(err, self.url)}"
             raises = "TimeoutError" if isinstance(err, TimeoutError) else "OSError" if self._silent else "RuntimeError"
             return {"error": failed, "raises": raises}
 
@@ -222,7 +207,7 @@ class StoreSave:
             raise
 
     def describe(self, err: BaseException) -> str:
-        return _scrub(err, self.url)
+        return error_summary(err, self.url)
 
     def abort(self) -> None:
         """Every rank is done uploading: this save's generation goes, unless the record names it, or this rank could not
@@ -237,11 +222,6 @@ class StoreSave:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _scrub(err: BaseException, url: str) -> str:
-    """The first line of ``err``'s message, without the credentials of ``url`` (should a library repeat it, or a part of it)."""
-    return error_summary(err, url)
 
 
 # ---- loading ---------------------------------------------------------------------------------------
@@ -273,38 +253,28 @@ class StoreFolder:
     def open(self) -> Path:
         """The staging folder with the index and the objects file, each checked against the commit record."""
         fs, path, record = self._store()
-        with self._reading():
+        with storage.reading(self.url, "the sharded checkpoint"):
             for name in (INDEX_FILE, OBJECTS_FILE):
                 if not (self.folder / name).exists():
                     storage.fetch_to_file(fs, path, record, name, self.url, self.folder / name)
         return self.folder
-
-    def _reading(self) -> AbstractContextManager[None]:
-        """A storage library's error in the block as ours, naming the checkpoint (``objects.library_errors``)."""
-        return storage.library_errors(f"Could not read the sharded checkpoint {self.shown!r}", self.url)
 
     def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
         """The commit record, the objects file and the index are of one save: the objects file names the
         record's generation as its save, lists every data file the index names, each of the size the record
         says, and the record keeps a CRC-32 for each of the index's items."""
         _, _, record = self._store()
-        save_id, recorded = objects.get("save_id"), objects.get("data_files")
+        save_id = objects.get("save_id")
+        recorded: Any = objects.get("data_files")  # checked by check_files_listed
         if save_id != record.generation:
             raise CheckpointLoadError(
                 f"Checkpoint {self.shown!r} mixes objects of different saves: its {OBJECTS_FILE!r} was written by save"
                 f" {save_id}, its commit record names generation {record.generation}"
             )
-        if not isinstance(recorded, dict) or not all(isinstance(entry, dict) for entry in recorded.values()):
-            raise CheckpointLoadError(f"Checkpoint {self.shown!r} is damaged: {OBJECTS_FILE!r} holds no valid list of data files")
+        check_files_listed(self.shown, recorded, index, f"the save that wrote {OBJECTS_FILE!r} (save {save_id})")
         spans: dict[str, list[tuple[int, int]]] = {}
         for info in (index.storage_data or {}).values():
             spans.setdefault(info.relative_path, []).append((info.offset, info.length))
-        unlisted = sorted(set(spans) - set(recorded))
-        if unlisted:
-            raise CheckpointLoadError(
-                f"Checkpoint {self.shown!r} mixes files of different saves: {unlisted[0]!r} is named by its index but was"
-                f" not written by the save that wrote {OBJECTS_FILE!r} (save {save_id})"
-            )
         for name, entry in sorted(recorded.items()):
             listed = record.objects.get(name)
             if listed is None or listed["size"] != entry.get("bytes"):
@@ -341,7 +311,7 @@ class StoreFolder:
         def fetch(name: str, missing: list[tuple[int, int, str]], crcs: dict[tuple[int, int], int]) -> None:
             storage.fetch_items(fs, path, record, name, self.url, self.folder / name, missing, crcs)
 
-        with self._reading():
+        with storage.reading(self.url, "the sharded checkpoint"):
             if len(work) > 1:
                 with ThreadPoolExecutor(max_workers=min(_MAX_FILES, len(work)), thread_name_prefix="fabric-fetch") as pool:
                     futures = [pool.submit(fetch, *job) for job in work]

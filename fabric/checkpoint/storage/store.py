@@ -1,9 +1,5 @@
-"""The one storage protocol the checkpoint formats write to and read from, and ``locate``: a user's path made a store.
-
-Two implementations: the local disk (``disk.DiskStore``: a temporary name, fsync, rename) and an object store
-reached through fsspec (``object_store.ObjectStore``: every object of a save under a new generation prefix, the
-commit record written last). A format never asks which one it has: it writes a file or a folder of shards
-through the store's transactions, and reads through the store's checked reads.
+"""The one storage protocol the checkpoint formats write to and read from: the local disk (``disk.DiskStore``)
+and an object store (``object_store.ObjectStore``) implement it, and a format never asks which one it has.
 
 ``detect`` says what the location holds (``Found``); a collective load runs it on rank 0 only and every rank
 adopts rank 0's answer (``adopt``), so no rank decides alone and a store's commit record is read once per load.

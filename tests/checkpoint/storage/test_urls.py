@@ -249,6 +249,26 @@ def test_damaged_object_refused_nothing_changed(empty_cwd: Path, memory_url: str
     assert torch.equal(fresh.weight, before)
 
 
+def test_a_store_answering_a_range_with_more_bytes_is_refused(empty_cwd: Path, memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes beyond the range asked for are no part of the object the record checks: the read is refused, nothing changed."""
+    fabric = cpu_fabric()
+    url = f"{memory_url}/ckpt.pt"
+    fabric.save(url, {"model": model()})
+    fs, _ = store_of(url)
+    original = type(fs).cat_file
+
+    def cat_file(self, path, start=None, end=None, **kwargs):  # type: ignore[no-untyped-def]
+        data = original(self, path, start=start, end=end, **kwargs)
+        return data + b"\0" * 8 if path.endswith(storage.FILE_OBJECT) else data
+
+    monkeypatch.setattr(type(fs), "cat_file", cat_file)
+    fresh = nn.Linear(8, 4)
+    before = fresh.weight.detach().clone()
+    with pytest.raises(storage.CommitRecordError, match=r"checkpoint\.pt.*answered bytes 0 to \d+ with \d+ bytes"):
+        fabric.load(url, {"model": fresh})
+    assert torch.equal(fresh.weight, before)
+
+
 def test_checkpoint_without_commit_record_refused(memory_url: str) -> None:
     url = f"{memory_url}/ckpt.pt"
     fs, path = store_of(url)
