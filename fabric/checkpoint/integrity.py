@@ -7,18 +7,17 @@ same way (one ``torch.save`` archive per item). Nothing is added at save time, s
 before this check existed, and by Lightning, are checked too; only the legacy (non-zip) format has
 nothing to check.
 
-The check costs one look at bytes that are in the CPU cache anyway: ``torch.load`` reads an archive
-through :class:`CheckedArchive`, which reads each record straight into the storage it loads into, a
-chunk at a time, and takes the CRC of each chunk right after reading it. A damaged record raises
-:class:`CorruptCheckpointError` before ``torch.load`` returns, so a caller that loads into new storage
-and copies in afterwards changes nothing. Records ``torch.load`` reads in any other pattern (none today)
-are checked by reading them again before the load is accepted. The CRC is ISA-L's (``isal``, about 50 GB/s
-on data in the cache here) where installed, else zlib's (about 4 GB/s).
+The check costs one look at bytes that are in the CPU cache anyway: :class:`CheckedArchive` takes the CRC of
+each chunk right after reading it into the storage ``torch.load`` loads into. A damaged record raises before
+``torch.load`` returns, so a caller that loads into new storage and copies in afterwards changes nothing.
+Records read in any other pattern (none today) are read again before the load is accepted. The CRC is
+ISA-L's (``isal``, about 50 GB/s on data in the cache here) where installed, else zlib's (about 4 GB/s).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
 import os
 import struct
@@ -196,7 +195,7 @@ class CheckedArchive:
 
     def read_record(self, name: str) -> bytes:
         """The bytes of record ``name`` (checked as they pass, as every read is)."""
-        record = self._located(name)
+        record = self._located(self._record(name))
         self.seek(record.data)
         data = self.read(record.size)
         if len(data) < record.size:
@@ -205,10 +204,12 @@ class CheckedArchive:
 
     def read_record_into(self, name: str, buffer: Any) -> None:
         """Read record ``name`` whole into ``buffer`` (exactly its size), checked as it passes."""
-        record = self._located(name)
+        self._read_whole(self._located(self._record(name)), buffer)
+
+    def _read_whole(self, record: _Record, buffer: Any) -> None:
         self.seek(record.data)
         if self.readinto(buffer) < record.size:
-            raise self._fail(f"{self._where} is truncated inside record {name!r}")
+            raise self._fail(f"{self._where} is truncated inside record {record.name!r}")
 
     def _record(self, name: str) -> _Record:
         for record in self._records:
@@ -216,9 +217,8 @@ class CheckedArchive:
                 return record
         raise KeyError(name)
 
-    def _located(self, name: str) -> _Record:
-        """Record ``name``, with where its bytes start read from its local header if not known yet."""
-        record = self._record(name)
+    def _located(self, record: _Record) -> _Record:
+        """``record``, with where its bytes start read from its local header if not known yet."""
         if record.data < 0:
             self._learn_header(record, os.pread(self._fd, _LOCAL.size, self._start + record.header))
         return record
@@ -231,10 +231,8 @@ class CheckedArchive:
             value = load(self)
         except Exception:
             if self.error is None:
-                try:
+                with contextlib.suppress(CorruptCheckpointError):  # (kept as self.error)
                     self.finish()  # damage elsewhere explains the failure better than the loader's own error
-                except CorruptCheckpointError:
-                    pass  # (kept as self.error)
             if self.error is not None:
                 raise self.error from None
             raise
@@ -251,8 +249,7 @@ class CheckedArchive:
         for record in self._records:
             if record.verified:
                 continue
-            if record.data < 0:
-                self._learn_header(record, os.pread(self._fd, _LOCAL.size, self._start + record.header))
+            self._located(record)
             if record.verified:  # an empty record
                 continue
             if buffer is None:
@@ -330,7 +327,7 @@ class CheckedArchive:
 
     def _verify(self, record: _Record, crc: int) -> None:
         if crc != record.crc:
-            raise self._fail(_mismatch(record, self._where))
+            raise self._fail(mismatch_message(record.name, record.size, self._where))
         record.verified = self._checked = True
 
     def _fail(self, message: str) -> CorruptCheckpointError:
@@ -365,7 +362,7 @@ def _check_image(image: bytes, where: str) -> None:
     for record in records:
         _data_start(record, image[record.header : record.header + _LOCAL.size], directory_start, where)
         if crc32(view[record.data : record.data + record.size]) != record.crc:
-            raise CorruptCheckpointError(_mismatch(record, where))
+            raise CorruptCheckpointError(mismatch_message(record.name, record.size, where))
 
 
 def _data_start(record: _Record, header: bytes, directory_start: int, where: str) -> None:
@@ -376,10 +373,6 @@ def _data_start(record: _Record, header: bytes, directory_start: int, where: str
     record.data = record.header + _LOCAL.size + fields[-2] + fields[-1]
     if record.data + record.size > directory_start:
         raise CorruptCheckpointError(f"{where} is damaged: record {record.name!r} lies outside the archive")
-
-
-def _mismatch(record: _Record, where: str) -> str:
-    return mismatch_message(record.name, record.size, where)
 
 
 def mismatch_message(name: str, size: int, where: str) -> str:

@@ -11,7 +11,7 @@ nested state with tensors replaced by ``None``, plus each flat key's path into i
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -56,6 +56,16 @@ def kind_saved_in(entry: Any) -> str:
     if all(isinstance(name, str) and isinstance(value, Tensor) for name, value in entry.items()):
         return MODULE
     return OTHER
+
+
+def parameters_and_buffers(objects: Iterable[Any]) -> Iterator[Tensor]:
+    """The parameters and buffers of the modules, and the parameters of the optimizers, among ``objects``."""
+    for obj in objects:
+        if isinstance(obj, Module):
+            yield from obj.parameters()
+            yield from obj.buffers()
+        elif isinstance(obj, Optimizer):
+            yield from (param for group in obj.param_groups for param in group["params"])
 
 
 def owner_of(optimizer: Optimizer, state: dict[str, Any], key: str) -> Module:

@@ -1,14 +1,12 @@
 """A checkpoint's life, save and load, in one place; the strategy supplies the parts it owns.
 
 Saving: the states that differ between ranks are gathered (``per_rank``), then the strategy's declared
-format writes: ``"file"`` (the state dicts the strategy's hooks give, one file from rank 0 through the
-CheckpointIO plugin), ``"sharded"`` (a folder in which every rank writes its shards, ``sharded_folder``)
-or ``"full"`` (sharded objects gathered into one file from rank 0, ``full_file``). Rank 0's outcome
-reaches every rank (``agreement``); files and folders appear whole (``fabric.checkpoint.storage.disk``).
+format writes: ``"file"`` (the strategy's state dicts, one file from rank 0 through the CheckpointIO
+plugin), ``"sharded"`` (every rank its shards, ``formats.sharded``) or ``"full"`` (sharded objects gathered
+into one file from rank 0, ``formats.full``), on the store the path names (``storage.locate``).
 
-Loading: what is on disk decides, here alone: a folder of shards loads into any layout
-(``sharded_folder``); a file loads through the strategy's format (plain state dicts, or full tensors
-handed to sharded objects). Everything is checked before anything changes.
+Loading: what the store holds decides, here alone, as rank 0 found it: a folder of shards loads into any
+layout; a file loads through the strategy's format. Everything is checked before anything changes.
 
 The strategy is reached only through :class:`CheckpointHost`, so nothing here imports a strategy.
 """
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from functools import partial
-from itertools import chain
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -29,6 +26,7 @@ from torch.optim import Optimizer
 from fabric.checkpoint.agreement import on_every_rank, on_rank_zero
 from fabric.checkpoint.async_save import save_in_background, wait_for_pending_save
 from fabric.checkpoint.errors import CheckpointLoadError
+from fabric.checkpoint.layout import parameters_and_buffers
 from fabric.checkpoint.per_rank import gather_per_rank_states
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import StateDictFile, StateDictHooks, StateFilter, collect_states
@@ -232,19 +230,8 @@ def _to_cpu(tensor: Tensor) -> Tensor:
 
 def staging_device(objects: Iterable[Any]) -> torch.device | None:
     """The CUDA device every tensor of the modules and optimizers among ``objects`` is on, if there is one."""
-    device = None
-    for obj in objects:
-        if isinstance(obj, Module):
-            tensors: Iterable[Tensor] = chain(obj.parameters(), obj.buffers())
-        elif isinstance(obj, Optimizer):
-            tensors = (param for group in obj.param_groups for param in group["params"])
-        else:
-            continue
-        for tensor in tensors:
-            if device is None:
-                device = tensor.device
-            elif tensor.device != device:
-                return None
+    devices = {tensor.device for tensor in parameters_and_buffers(objects)}
+    device = devices.pop() if len(devices) == 1 else None
     return device if device is not None and device.type == "cuda" else None
 
 

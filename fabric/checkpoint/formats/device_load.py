@@ -1,34 +1,23 @@
 """A checked single-file load whose tensors go straight to a GPU: read, CRC and host-to-device copy overlap.
 
-A load into objects on a GPU used to read the whole file into new CPU storage (the CRC of every chunk
-taken as it passed), then ``load_state_dict`` copied each tensor to the device from pageable memory, one
-synchronous copy after another. Here ``torch.load`` still unpickles the file (``weights_only`` as asked),
-but the bytes of each storage saved on an accelerator are read into a small ring of pinned host buffers
-(:class:`RingReader`), their CRC-32 taken chunk by chunk while the chunk is in the CPU's cache, and what a
-buffer holds of each record is copied to new storage on the device on a side stream while the next part
-is read. A
-buffer is read into again only after its copies completed. Storages saved on the CPU (an optimizer's
-``step``) are read as before, into CPU storage.
+Without it, a load into objects on a GPU read the whole file into new CPU storage, then ``load_state_dict``
+copied each tensor to the device from pageable memory, one synchronous copy after another. Here the bytes of
+each storage saved on an accelerator pass through a small ring of pinned host buffers (:class:`RingReader`,
+scheduled as docs/architecture.md tells in "A single-file checkpoint's life") into new device storage: nothing
+the user holds changes while the file is read, and a damaged record raises
+:class:`~fabric.checkpoint.errors.CorruptCheckpointError` naming it before ``torch.load`` returns, the copies
+already made gone into staging that is dropped.
 
-The loaded values are new storage (the staging): nothing the user holds changes while the file is read,
-and a damaged record raises :class:`~fabric.checkpoint.errors.CorruptCheckpointError` naming it before
-``torch.load`` returns; the copies already made then went into staging that is dropped. The load walk
-(``fabric.checkpoint.restore``) checks the fit and the ranks agree before any value goes in, as for the
-CPU path.
+How it rides on ``torch.load`` (which still unpickles the file, ``weights_only`` as asked): torch's zip reader
+reads a storage's record whole, with one ``readinto`` at the record's first byte, into CPU storage it has just
+allocated, then hands that storage to ``map_location``. :class:`_StagingArchive` notes such a read of a storage
+record instead of making it (the CPU storage is never touched, so it costs no page faults), and the
+``map_location`` callable reads the noted record through the ring into device storage it returns instead. A
+read torch makes in any other pattern is served as before (the callable then copies the read storage over);
+anything unexpected (``torch.load`` reading a noted record for another purpose, a file torch cannot load with
+a callable ``map_location``, no GPU memory for the staging) falls back to the CPU path.
 
-How it rides on ``torch.load``: torch's zip reader reads a storage's record whole, with one ``readinto`` at
-the record's first byte, into CPU storage it has just allocated, then hands that storage to
-``map_location``. :class:`_StagingArchive` notes such a read of a storage record instead of making it
-(the CPU storage is never touched, so it costs no page faults), and the ``map_location`` callable reads
-the noted record through the ring into device storage it returns instead. A read torch makes in any
-other pattern is served as before (the callable then copies the read storage over); anything unexpected
-(``torch.load`` reading a noted record for another purpose, a file torch cannot load with a callable
-``map_location``, no GPU memory for the staging) falls back to the CPU path.
-
-The scheduling (:class:`RingReader`) knows nothing of CUDA: a :class:`Staging` supplies the buffers, the
-copies and the waits. :class:`CudaStaging` is the GPU's (pinned buffers, one side stream, an event per
-copy); :class:`HostStaging` does the same on the CPU (the tests' ``Staging``; on the CPU the direct read
-into new storage is faster, one copy fewer, and stays the path).
+:class:`RingReader` knows nothing of CUDA: a :class:`Staging` supplies the buffers, the copies and the waits.
 """
 
 from __future__ import annotations
@@ -184,7 +173,7 @@ class RingReader:
 
 
 class HostStaging:
-    """:class:`Staging` on the CPU: plain buffers, staging in CPU memory, copies done at once."""
+    """:class:`Staging` on the CPU (the tests'): plain buffers, staging in CPU memory, copies done at once."""
 
     def __init__(self, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES, takes: Callable[[str], bool] = lambda location: True) -> None:
         self._count, self._bytes, self._takes = buffers, buffer_bytes, takes
@@ -310,9 +299,7 @@ class _StagingArchive(CheckedArchive):
         """Read the noted ``record`` into CPU ``destination`` (its storage), checked as every read is."""
         noting, self.noting = self.noting, False
         try:
-            self.seek(record.data)
-            if self.readinto(byte_view(destination)) < record.size:
-                raise self._fail(f"{self._where} is truncated inside record {record.name!r}")
+            self._read_whole(record, byte_view(destination))
         finally:
             self.noting = noting
 

@@ -70,26 +70,21 @@ def _load_fd(fd: int, size: int, where: str, map_location: Any, safe: bool, devi
 
 
 def _load(fd: int, size: int, path: str | Path, map_location: Any, safe: bool, legacy: bool, device: torch.device | None = None) -> Any:
+    def load(file: Any, where_to: Any = map_location) -> Any:
+        return torch.load(file, map_location=where_to, weights_only=safe)
+
     try:
         if legacy:  # torch's legacy format: a pickle, with no checksums to check
             say_once_nothing_to_check(path)
             with open(fd, "rb", closefd=False) as file:
-                return torch.load(file, map_location=map_location, weights_only=safe)
+                return load(file)
         if device is not None and size > SMALL_ARCHIVE and map_location == "cpu":
             from fabric.checkpoint.formats.device_load import load_staged, staging_for
 
             staging = staging_for(device)
             if staging is not None:
-                return load_staged(
-                    lambda archive, where_to: torch.load(archive, map_location=where_to, weights_only=safe), fd, size, repr(str(path)), staging
-                )
-        return load_checked(
-            lambda archive: torch.load(archive, map_location=map_location, weights_only=safe),
-            fd,
-            0,
-            size,
-            repr(str(path)),
-        )
+                return load_staged(load, fd, size, repr(str(path)), staging)
+        return load_checked(load, fd, 0, size, repr(str(path)))
     except CorruptCheckpointError as err:
         raise CheckpointLoadError(str(err)) from None
     except pickle.UnpicklingError as err:

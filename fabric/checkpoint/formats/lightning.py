@@ -4,12 +4,11 @@ Lightning's sharded save (``FSDPStrategy`` / ``ModelParallelStrategy``, ``state_
 writes ``torch.distributed.checkpoint`` files holding the modules' and optimizers' state dicts (flattened
 by torch's default planner: ``model.layers.0.wq.weight``, ``optimizer.state.<name>.exp_avg``, ...) and
 ``meta.pt`` with every other entry; it has no ``fabric-objects.pt``. Such a folder is read whole into
-this process, every tensor in full (like Lightning's own ``consolidate_checkpoint``), and then goes in as
-a full checkpoint file does (``full_file.FullFile``): each rank keeps its part of sharded objects. The
-same checks apply as to our folders: the index through the allow-list unpickler, every data file's size,
-every item's CRC-32 before it is read, ``meta.pt`` (and any non-tensor item of the data files) with
-``weights_only`` unless the caller opts out. Every rank holds the whole checkpoint for a moment: to save
-that memory, consolidate once and re-save with fabric.
+this process, every tensor in full (like Lightning's own ``consolidate_checkpoint``), with our folders'
+reading checks (the allow-listed index, every data file's size, every item's CRC-32, ``weights_only``
+unless the caller opts out), then loaded as a full file is (``full.FullFile``): each rank keeps its part
+of sharded objects. Every rank holds the whole checkpoint for a moment: to save that memory, consolidate
+once and re-save with fabric.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from fabric.checkpoint.formats.shard_reader import SafeFileSystemReader, check_data_files, first_failure, quiet_single_process, read_index
+    from fabric.checkpoint.formats.shard_reader import SafeFileSystemReader, check_data_files, first_failure, own_error, quiet_single_process, read_index
 
     folder = Path(path)
     index = read_index(folder)
@@ -51,9 +50,9 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
         with quiet_single_process():
             dcp.load(flat, storage_reader=SafeFileSystemReader(folder), planner=planner, no_dist=True)
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
-        refused = [inner for inner in _failures(err) if isinstance(inner, UnsafeCheckpointError)]
-        if refused:
-            raise UnsafeCheckpointError(f"Checkpoint {str(folder)!r}: {refused[0]}") from None
+        refused = own_error(err)  # (one process: its error is the only one)
+        if isinstance(refused, UnsafeCheckpointError):
+            raise UnsafeCheckpointError(f"Checkpoint {str(folder)!r}: {refused}") from None
         raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
     # tensors were read in place; dcp.load hands the planner a copy of the dict, where the other items went
     flat.update({key: planner.state_dict[key] for key, value in flat.items() if value is None})
@@ -85,14 +84,6 @@ class _SafeBytesPlanner(DefaultLoadPlanner):
                 f"the entry {fqn!r} holds an object that can only be restored by running pickled code, which is refused"
                 f" by default (load with weights_only=False if you trust the checkpoint): {reason}"
             ) from None
-
-
-def _failures(err: BaseException) -> list[BaseException]:
-    """The errors inside torch's ``CheckpointException`` (one per failed rank), or ``err`` itself."""
-    failures = getattr(err, "failures", None)
-    if not isinstance(failures, dict):
-        return [err]
-    return [inner[0] if isinstance(inner, tuple) else inner for inner in failures.values()]
 
 
 def _unflatten(flat: dict[str, Any], paths: dict[str, Iterable[Any]]) -> dict[str, Any]:

@@ -2,13 +2,10 @@
 
 The folder holds ``torch.distributed.checkpoint`` data files and index (tensors only) plus
 ``fabric-objects.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
-entries that are neither modules nor optimizers, and where each tensor belongs (see
-``layout``). Written once for every store: each rank writes its shards where the store's save puts them
-(a temporary folder beside the target, or a staging folder uploaded as it is written), rank 0 writes the
-objects file, which binds the save's files together, and commits (renames, or the commit record); read
-through the store's folder (fetching just the items a rank reads), the same files with the same checks.
-Loading reshards to whatever layout the target objects have: 2 -> 4 processes, sharded -> a plain
-module in one process, and back.
+entries that are neither modules nor optimizers, where each tensor belongs (see ``layout``), and what binds
+the save's files together. One flow for every store (docs/architecture.md: "A sharded checkpoint's life",
+"A sharded checkpoint on a store"). Loading reshards to whatever layout the target objects have: 2 -> 4
+processes, sharded -> a plain module in one process, and back.
 """
 
 from __future__ import annotations
@@ -94,9 +91,7 @@ def save_sharded(
 def _files_written() -> frozenset[str]:
     """The data files a save by this job writes into a local folder (torch's writer: one per rank), so a reused
     folder keeps them to be overwritten and drops the rest (its old index, shards of a run with more processes)."""
-    import torch.distributed as dist
-
-    world_size = dist.get_world_size() if _distributed() else 1
+    _, world_size = _rank_and_world_size() or (0, 1)
     return frozenset({OBJECTS_FILE, *(f"__{rank}_0.distcp" for rank in range(world_size))})
 
 
@@ -127,9 +122,8 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
 
         def commit() -> None:
             assert parts is not None
-            failures = [part for part in parts if "error" in part]
-            if failures:
-                first = failures[0]
+            first = next((part for part in parts if "error" in part), None)
+            if first is not None:
                 raise _PART_ERRORS[first["raises"]](f"{failed} {first['error']}")
             try:
                 binding = save.binding(parts)
@@ -168,7 +162,7 @@ def _timed_out(err: BaseException) -> bool:
 
 def _local_bytes(tensors: dict[str, Tensor]) -> int:
     """The bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
-    return sum(_local(tensor).numel() * _local(tensor).element_size() for tensor in tensors.values())
+    return sum(local.numel() * local.element_size() for local in map(_local, tensors.values()))
 
 
 def load_sharded(
@@ -316,18 +310,15 @@ class ShardedFolder:
             else:
                 fit.check_optimizer_fits(key, skeleton[key], current)
             _, current_tensors, current_paths = layout.split_tensors({key: current}, {key: kind})
-            by_path = {path: flat for flat, path in current_paths.items()}
-            into = {}
-            for flat, path in own.items():
-                if path in by_path:
-                    target = current_tensors[by_path[path]]
-                    saved = tuple(index.state_dict_metadata[flat].size)
-                    if saved != tuple(target.shape):
-                        raise fit.CheckpointMismatchError(
-                            f"state[{key!r}]: {'/'.join(map(str, path[1:]))!r} has shape {saved} in the"
-                            f" checkpoint but {tuple(target.shape)} here"
-                        )
-                    into[flat] = target
+            targets = {path: current_tensors[flat] for flat, path in current_paths.items()}
+            into = {flat: targets[path] for flat, path in own.items() if path in targets}
+            for flat, target in into.items():
+                saved = tuple(index.state_dict_metadata[flat].size)
+                if saved != tuple(target.shape):
+                    raise fit.CheckpointMismatchError(
+                        f"state[{key!r}]: {'/'.join(map(str, own[flat][1:]))!r} has shape {saved} in the"
+                        f" checkpoint but {tuple(target.shape)} here"
+                    )
             self._targets[key] = into
 
     def undo_state_init(self) -> None:
@@ -347,7 +338,7 @@ class ShardedFolder:
         (:meth:`undo_state_init`), and no second copy of its state is made."""
         skeleton, paths = self.objects["skeleton"], self.objects["tensors"]
         # a placeholder sharing memory with a parameter, a buffer or another placeholder is staged like the rest
-        taken = {_storage_of(tensor) for tensor in _parameters_and_buffers(present.values())}
+        taken = {_storage_of(tensor) for tensor in layout.parameters_and_buffers(present.values())}
         staged = {}
         for key, into in self._targets.items():
             fresh = present[key] in self._had_no_state  # its state is torch's placeholder: read straight into it
@@ -385,17 +376,6 @@ def _local(tensor: Tensor) -> Tensor:
 def _storage_of(tensor: Tensor) -> int:
     """Where a tensor's (or a DTensor's local) storage starts: tensors that share memory share it."""
     return _local(tensor).untyped_storage().data_ptr()
-
-
-def _parameters_and_buffers(objects: Any) -> list[Tensor]:
-    """The parameters and buffers of the modules, and the parameters of the optimizers, among ``objects``."""
-    found: list[Tensor] = []
-    for obj in objects:
-        if isinstance(obj, Module):
-            found.extend([*obj.parameters(), *obj.buffers()])
-        elif isinstance(obj, Optimizer):
-            found.extend(param for group in obj.param_groups for param in group["params"])
-    return found
 
 
 def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False, fetch: Fetch | None = None) -> None:
@@ -467,7 +447,3 @@ def _rank_and_world_size() -> tuple[int, int] | None:
     import torch.distributed as dist
 
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else None
-
-
-
-

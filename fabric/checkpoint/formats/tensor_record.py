@@ -3,14 +3,10 @@
 Every item of a ``torch.distributed.checkpoint`` shard file is a ``torch.save`` archive of one tensor: a
 small pickle that gives the storage's dtype and the tensor's offset, size and stride, and one record that
 holds the storage's bytes. ``torch.load`` reads that record into storage it allocates itself, so a load
-into new storage of ours (``sharded_folder``) would hold the state twice, and a resumed job's fresh
-optimizer state would be allocated, then thrown away. When the saved tensor is laid out exactly as the
-destination (same dtype, shape and contiguous strides, the storage holding nothing else), its bytes are
-read straight into the destination's memory instead, their CRC-32 checked as they pass
-(:class:`~fabric.checkpoint.integrity.CheckedArchive`).
-
-The pickle is read by an unpickler that knows only the few names such a pickle uses and builds no
-tensor; anything else (another layout, another form of pickle) is left to ``torch.load``.
+into new storage of ours (``sharded.ShardedFolder``) would hold the state twice, and a resumed job's fresh
+optimizer state would be allocated, then thrown away. The pickle is read by an unpickler that knows only
+the few names such a pickle uses and builds no tensor; anything else (another layout, another form of
+pickle) is left to ``torch.load``.
 """
 
 from __future__ import annotations
