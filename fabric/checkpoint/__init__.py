@@ -1,17 +1,10 @@
-"""Checkpoint state: what goes into a checkpoint and how it comes back, in one place.
+"""Checkpoints: what goes into one, where its bytes live, and how it comes back (``docs/architecture.md``).
 
-- ``stateful``: the named protocol (Stateful, with the optional "check before load", "per-rank
-  state" and "every rank's state beside the entry" declarations) that every checkpoint entry follows,
-  and ``ResizableStateful``, by which a user's loader takes a state saved by another number of processes;
-- ``state``: the walk that turns ``Fabric.save``'s state into a checkpoint, asking the strategy what a
-  module or an optimizer becomes; ``restore``: the one walk that loads a checkpoint back, in every format;
-- ``per_rank``: states that differ between ranks, gathered into the file rank 0 writes;
-- ``random_state`` and ``loader_progress``: the exact-resume state of a set-up dataloader;
-- ``errors``: every error raised while making, checking or loading a checkpoint (standard library only).
-
-How the bytes reach the disk is the CheckpointIO's business (``fabric.plugins.io``). The names exported here
-load on first use, so that importing ``fabric.checkpoint.errors`` (as the layers below do) imports nothing
-else.
+``stateful`` is the protocol every entry follows; ``pipeline`` the save and the load a strategy runs, over
+``state`` (the save walk), ``restore`` (the load walk), ``formats/`` (what the bytes are) and ``storage/``
+(where they live: the disk or an object store); ``resume/`` keeps a dataloader's place; ``errors`` holds every
+error, standard library only. The names exported here load on first use, so that importing
+``fabric.checkpoint.errors`` (as the layers below do) imports nothing else.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""The named protocol every object in a checkpoint follows, so saving and loading need no guessing.
+"""The named protocol every entry of a checkpoint follows, so saving and loading need no guessing.
 
-An entry of the ``state`` dict given to ``Fabric.save``/``Fabric.load`` is one of:
-
-* a module or an optimizer: the strategy turns it into a state dict and back (a sharded strategy
-  overrides those hooks);
-* a :class:`Stateful` object (a set-up dataloader, an LR scheduler, the user's own class): its
-  ``state_dict()`` is saved and ``load_state_dict()`` restores it. Two optional declarations refine it:
-
-  - :class:`CheckedStateful` adds ``check_state_dict(state)``, which raises ValueError when the saved
-    state cannot be loaded. Loading calls it for every entry before it changes anything, so a bad
-    file leaves every object as it was;
-  - :class:`PerRankStateful` has ``per_rank_state`` True: its state differs between ranks (random
-    generator states), so saving gathers every rank's state into the file (``per_rank.py``) and
-    ``load_state_dict`` receives the record of all ranks and picks its own;
-  - :class:`SavedRanksStateful` has ``saved_ranks_beside`` True: its entry stays its own ``state_dict()``
-    (rank 0's, in a format it shares with Lightning Fabric), and saving keeps every rank's state and the
-    number of processes beside the entries (under :data:`SAVED_RANKS_KEY`); loading hands them to
-    ``state_from_saved_ranks``, before anything changes, for the state this rank loads. A set-up
-    dataloader with a state of its own is one: it asks the user's loader, a :class:`ResizableStateful`,
-    for this rank's state when the number of processes changed;
-* anything else: saved as it is; loading puts the saved value into the ``state`` dict.
+An entry of the ``state`` dict given to ``Fabric.save``/``Fabric.load`` is a module or an optimizer (the
+strategy turns it into a state dict and back), a :class:`Stateful` object, which the optional declarations
+below refine, or anything else: saved as it is, and replaced by the saved value on load.
 """
 
 from __future__ import annotations
@@ -57,7 +40,8 @@ class Stateful(Protocol):
 
 @runtime_checkable
 class CheckedStateful(Stateful, Protocol):
-    """A Stateful object that can tell, without changing anything, whether a saved state fits it."""
+    """A Stateful object that can tell, without changing anything, whether a saved state fits it. Loading asks
+    every entry before it changes anything, so a state that does not fit leaves every object as it was."""
 
     def check_state_dict(self, state_dict: Any) -> Any:
         """Raise ValueError if ``state_dict`` cannot be loaded into this object."""
@@ -65,14 +49,18 @@ class CheckedStateful(Stateful, Protocol):
 
 
 class PerRankStateful(Stateful, Protocol):
-    """A Stateful object whose state differs between ranks; the checkpoint keeps every rank's state."""
+    """A Stateful object whose state differs between ranks (random generator states): saving gathers every
+    rank's state into the file rank 0 writes (``per_rank``), and ``load_state_dict`` receives that record of
+    all ranks and picks its own."""
 
     per_rank_state: bool
 
 
 class SavedRanksStateful(Stateful, Protocol):
-    """A Stateful object whose entry must stay its own ``state_dict()`` (rank 0's), and which still needs
-    every rank's state on a load by another number of processes; the checkpoint keeps those beside the entries."""
+    """A Stateful object whose entry must stay its own ``state_dict()`` (rank 0's, the format Lightning Fabric
+    writes), and which still needs every rank's state on a load by another number of processes: the checkpoint
+    keeps those, and the number of processes, beside the entries (:data:`SAVED_RANKS_KEY`). A set-up
+    dataloader with a state of its own is one."""
 
     saved_ranks_beside: bool
 
