@@ -87,7 +87,8 @@ class SafeFileSystemReader(FileSystemReader):
         other = []
         for item in plan.items:
             info = self.storage_data[item.storage_index]
-            needed.setdefault(info.relative_path, []).append((info.offset, info.length, item.storage_index.fqn))
+            if self._fetch is not None:  # (a local folder holds every item already)
+                needed.setdefault(info.relative_path, []).append((info.offset, info.length, item.storage_index.fqn))
             if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:  # no tensor, or no archive (compressed)
                 other.append(item)
             else:
