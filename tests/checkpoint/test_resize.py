@@ -212,3 +212,30 @@ def test_the_protocol_is_asked_only_on_another_number_of_processes():
         ResizableShardLoader(torch.arange(12), 2, 0, 1).resized_state_dict(states, 4, 0)
     plain = fabric.setup_dataloaders(torch.utils.data.DataLoader(torch.arange(4)))
     assert not plain.saved_ranks_beside  # our own position: every rank's state is in the entry itself
+
+
+def test_a_loader_resized_on_load_reports_the_saved_epoch_as_its_position_before_it_runs():
+    """``position()`` (what ``ddp_ft`` tells its peers) and ``state_dict()`` agree after a resized load."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from fabric.checkpoint.per_rank import PER_RANK_KEY
+    from fabric.checkpoint.resume.loader_progress import LoaderProgress
+
+    data = list(range(SAMPLES))
+
+    def loader(replicas: int, rank: int) -> DataLoader:
+        return DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, num_replicas=replicas, rank=rank, seed=5))
+
+    saved = []
+    for rank in range(2):
+        progress = LoaderProgress(loader(2, rank), rank, 2)
+        epochs = progress.iterate(), progress.iterate()
+        for _ in epochs[0]:
+            pass
+        next(epochs[1])  # one batch into epoch 1
+        saved.append(progress.state_dict())
+    resized = LoaderProgress(loader(3, 1), 1, 3)
+    resized.load_state_dict({PER_RANK_KEY: saved})
+    state = resized.state_dict()
+    assert (state["epoch"], state["batches_consumed"], state["start"]) == (1, 0, 2 * BATCH)
+    assert resized.position() == (1, 0)

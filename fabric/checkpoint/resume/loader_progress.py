@@ -69,12 +69,18 @@ class LoaderProgress:
         self._epoch = None
 
     def position(self) -> tuple[int, int]:
-        """``(epoch, batches consumed)``: where the next batch comes from."""
-        if self._epoch is not None:
-            return self._epoch, self._consumed
-        if self._resume is not None and "batches_consumed" in self._resume:
-            return self._resume["epoch"], self._resume["batches_consumed"]
-        return self._num_iter_calls, 0
+        """``(epoch, batches consumed)``: where the next batch comes from (in this layout of ranks)."""
+        position = self._position()
+        return position["epoch"], position["batches_consumed"]
+
+    def _position(self) -> dict[str, Any]:
+        if self._epoch is not None:  # inside an epoch (saved after a step, as a loop does)
+            return {"epoch": self._epoch, "batches_consumed": self._consumed, "epoch_start": self._epoch_start, "start": self._start}
+        if self._resume is not None and "share" in self._resume:  # loaded after a resize, not iterated yet
+            return {"epoch": self._resume["epoch"], "batches_consumed": 0, "epoch_start": None, "start": self._resume["start"]}
+        if self._resume is not None:  # loaded, not iterated yet: the loaded position still holds
+            return dict(self._resume)
+        return {"epoch": self._num_iter_calls, "batches_consumed": 0, "epoch_start": None, "start": 0}
 
     def continue_at(self, epoch: int, batches_consumed: int) -> None:
         """Make the next iteration begin at ``(epoch, batches consumed)`` (a position learnt from a peer, not a file)."""
@@ -83,16 +89,8 @@ class LoaderProgress:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's position in the data and random generator states."""
-        if self._epoch is not None:  # inside an epoch (saved after a step, as a loop does)
-            position = {"epoch": self._epoch, "batches_consumed": self._consumed, "epoch_start": self._epoch_start, "start": self._start}
-        elif self._resume is not None and "share" in self._resume:  # loaded after a resize, not iterated yet
-            position = {"epoch": self._resume["epoch"], "batches_consumed": 0, "epoch_start": None, "start": self._resume["start"]}
-        elif self._resume is not None:  # loaded, not iterated yet: the loaded position still holds
-            position = dict(self._resume)
-        else:
-            position = {"epoch": self._num_iter_calls, "batches_consumed": 0, "epoch_start": None, "start": 0}
         return {
-            **position,
+            **self._position(),
             "random_state": capture_random_state(),
             "generators": [generator.get_state() for generator in _loader_generators(self._dataloader)],
             "order": _order_of(self._dataloader),
@@ -159,14 +157,9 @@ class LoaderProgress:
 
 
 class LoaderOwnState:
-    """The position of a loader that keeps its own state (``state_dict``/``load_state_dict``), which is used as it is.
-
-    A checkpoint then holds what the loader's ``state_dict()`` returns, as Lightning Fabric writes it, so
-    checkpoints move between the two. Only the sampler's epoch is advanced here, as for any set-up loader.
-    Such a state may belong to one rank (a position in its shard), so the checkpoint also keeps every
-    rank's beside the entry (``SavedRanksStateful``): a load by another number of processes hands them to
-    the loader's ``resized_state_dict`` (``ResizableStateful``), or is refused if it has none.
-    """
+    """A loader that keeps its own state: the checkpoint holds its ``state_dict()`` as Lightning Fabric writes it,
+    so checkpoints move between the two. Such a state may be one rank's place in its shard, so every rank's is kept
+    beside the entry (``SavedRanksStateful``) for the loader's ``resized_state_dict`` on another number of processes."""
 
     def __init__(self, dataloader: Any, rank: int = 0, world_size: int = 1) -> None:
         self._dataloader = dataloader
@@ -216,12 +209,9 @@ class LoaderOwnState:
 
 
 class SkipBatches:
-    """A batch sampler that leaves out the first ``skip`` batches of ``batch_sampler``.
-
-    Only indices are drawn for the skipped batches: no sample is loaded. ``on_start`` is called once
-    the skipped part has been drawn (the sampler's own random draws for the epoch are done by then)
-    and before the first kept batch is handed out, or at the end if nothing is left.
-    """
+    """A batch sampler that leaves out the first ``skip`` batches of ``batch_sampler``, drawing only their indices
+    (no sample is loaded). ``on_start`` runs once they are drawn (the sampler's random draws for the epoch are done
+    by then), before the first kept batch, or at the end if nothing is left."""
 
     def __init__(self, batch_sampler: Any, skip: int, on_start: Callable[[], None] | None = None) -> None:
         self.batch_sampler = batch_sampler
@@ -255,12 +245,8 @@ _END = object()
 
 
 def loader_skipping(dataloader: Any, skip: int, on_start: Callable[[], None]) -> Any | None:
-    """A DataLoader like ``dataloader`` whose next epoch starts after ``skip`` batches, or None.
-
-    None when the loader cannot be rebuilt that way (not a ``torch.utils.data.DataLoader``, an
-    iterable dataset, or a subclass that does not take the standard arguments); the caller then
-    skips by iterating.
-    """
+    """A DataLoader like ``dataloader`` whose next epoch starts after ``skip`` batches; None when it cannot be rebuilt
+    that way (not a DataLoader, an iterable dataset, a subclass without the standard arguments): skip by iterating."""
     from torch.utils.data import DataLoader, IterableDataset
 
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
@@ -386,8 +372,6 @@ def _check_loader_state(state: Any, dataloader: Any, generators: bool = True) ->
 def _set_sampler_epoch(dataloader: Any, epoch: int) -> None:
     """Reshuffle distributed shards every epoch without the user calling ``set_epoch``."""
     samplers = (getattr(dataloader, "sampler", None), getattr(getattr(dataloader, "batch_sampler", None), "sampler", None))
-    for index, sampler in enumerate(samplers):
-        if index == 1 and sampler is samplers[0]:
-            break  # a DataLoader's batch sampler usually wraps its sampler: set the epoch once
+    for sampler in {id(sampler): sampler for sampler in samplers}.values():  # a batch sampler usually wraps the sampler: once
         if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
