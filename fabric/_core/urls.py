@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +226,19 @@ def storage_error(what: str, url: str, err: BaseException) -> OSError:
         error.errno = err.errno
     return error
 
+
+
+@contextmanager
+def store_errors(doing: str, url: str, passing: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """A storage library's error in the block re-raised as ours (:func:`storage_error`: "Could not ``doing`` URL", the
+    URL redacted), chained only to a copy without ``url``'s secrets; errors of the classes ``passing`` pass (ours, or a
+    missing file the caller takes for "none")."""
+    try:
+        yield
+    except passing:
+        raise
+    except Exception as err:
+        raise storage_error(f"Could not {doing} {redact(url)!r}", url, err) from without_secrets(err, url)
 
 def check_place(url: str) -> None:
     """A URL must name a place on its store: ``s3://`` or ``memory://`` alone names none (nor a chain ending so)."""

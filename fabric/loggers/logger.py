@@ -8,8 +8,7 @@ import sys
 import weakref
 from abc import ABC, abstractmethod
 from argparse import Namespace
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any
 
@@ -204,7 +203,7 @@ def next_version(experiment_dir: str) -> int:
 def list_folder(folder: str) -> list[str]:
     """The names in ``folder``, a local path or a URL (listed on its store, never from a cached listing); [] when
     there is no such folder."""
-    from fabric._core.urls import filesystem, is_url
+    from fabric._core.urls import filesystem, is_url, store_errors
 
     try:
         if not is_url(folder):
@@ -217,25 +216,10 @@ def list_folder(folder: str) -> list[str]:
         return []
 
 
-@contextmanager
-def store_errors(doing: str, url: str, passing: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
-    """A storage library's error in the block re-raised as ours, naming what was being done and ``url`` without its
-    credentials, chained only to a copy without them; errors of the classes ``passing`` pass (a missing file, which
-    the caller takes for "none")."""
-    from fabric._core.urls import redact, storage_error, without_secrets
-
-    try:
-        yield
-    except passing:
-        raise
-    except Exception as err:
-        raise storage_error(f"Could not {doing} {redact(url)!r}", url, err) from without_secrets(err, url)
-
-
 def write_text(path: str, text: str) -> None:
     """Replace the file ``path`` (local, or an object on a store) by ``text`` as one step: a reader sees the old
     file or the new one, never a part. Locally: a temp file renamed over it; on a store: one whole-object PUT."""
-    from fabric._core.urls import filesystem, is_url
+    from fabric._core.urls import filesystem, is_url, store_errors
 
     if is_url(path):
         fs, key = filesystem(path)
@@ -251,7 +235,7 @@ def write_text(path: str, text: str) -> None:
 
 def read_text(path: str) -> str | None:
     """The text of the file ``path`` (local or on a store), or None if there is none."""
-    from fabric._core.urls import filesystem, is_url
+    from fabric._core.urls import filesystem, is_url, store_errors
 
     try:
         if is_url(path):

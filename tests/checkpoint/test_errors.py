@@ -130,9 +130,10 @@ def damaged(data: bytes, damage: str) -> bytes:
 
 def on_the_store(url: str, name: str) -> tuple[Any, str]:
     """(filesystem, path) of the object ``name`` of the checkpoint at ``url``, as its commit record names it."""
+    from fabric._core.urls import filesystem
     from fabric.checkpoint.storage import objects as storage
 
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     record = json.loads(fs.cat_file(path))
     return fs, f"{storage.generation_prefix(path, record['generation'])}/{name}"
 

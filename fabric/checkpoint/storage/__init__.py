@@ -1,7 +1,5 @@
-"""Where checkpoints live: the local disk (``disk``: temporary name, fsync, rename) and object stores reached
-through fsspec (``object_store``: a generation prefix per save, a commit record written last;
-``sharded_store``: a sharded checkpoint staged locally and uploaded as it is written). The only package of the
-checkpoint wing that knows what a URL is.
+"""Where checkpoints live: the local disk (``disk``) and object stores reached through fsspec (``object_store``,
+``sharded_store``). The only package of the checkpoint wing that knows what a URL is.
 """
 
 from __future__ import annotations

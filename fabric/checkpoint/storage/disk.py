@@ -1,75 +1,45 @@
-"""Atomic publishing: a checkpoint on disk is always the previous one or the new one, whole.
+"""Atomic publishing: a checkpoint on disk is always the previous one or the new one, whole: a file, a temporary file
+fsynced and renamed over the target (:func:`atomic_write`); a folder of shards, a temporary folder beside the target
+published by renames (:func:`commit_folder`; the steps, and what a crash between them leaves: docs/architecture.md).
 
-One file (:func:`atomic_write`): a temporary file in the same folder, fsynced, renamed over the target
-(rename is atomic on POSIX and Windows), then the folder entry fsynced. A folder (a sharded checkpoint):
-every rank writes into a temporary folder beside the target (``.fabric-tmpdir-NAME.TOKEN``); once all are
-done, rank 0 fsyncs and publishes it with renames:
-
-1. ``NAME`` (if any) is renamed aside to ``.fabric-old-NAME.TOKEN``
-2. the temporary folder is renamed to ``NAME``
-3. the aside copy becomes the *spare*, ``.fabric-spare-NAME``.
-
-A crash before 1 leaves ``NAME`` untouched; between 1 and 2 ``NAME`` is missing and the aside copy is
-the previous checkpoint, whole: :func:`resolve_for_load` finds it and the next save puts it back
-(:func:`prepare_target`); after 2 ``NAME`` is the new checkpoint and leftovers are cleaned up by the
-next save.
-
-Why a spare: the next save renames it to its temporary folder and overwrites its files in place.
-On ext4 rewriting existing files measured ~1.6x faster than writing new ones and deleting the old
-(block allocation and freeing); with the spare, an atomic save costs what an in-place
-``torch.distributed.checkpoint.save`` costs. The price is disk space: the spare keeps the peak of
-a save (old + new checkpoint) allocated between saves. It is never loaded, and removing it is safe.
+Why a spare (``.fabric-spare-NAME``, the previous folder): the next save overwrites its files in place, measured ~1.6x
+faster on ext4 than new files and deleting the old (block allocation and freeing): as fast as an in-place ``dcp.save``.
+The price: the peak of a save (old + new) stays allocated between saves. It is never loaded; removing it is safe.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import secrets
 import shutil
 import stat
 import sys
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fabric._core.processes import process_alive
 from fabric.checkpoint.formats.shard_reader import INDEX_FILE, LIGHTNING_META_FILE, OBJECTS_FILE, check_data_files_belong, data_files_of, read_index
 from fabric.checkpoint.integrity import crc32
-from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave
-
-T = TypeVar("T")
+from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave, Store, T
 
 _TEMP_PREFIX = ".fabric-tmp-"
 
 
 def atomic_write(path: Path, produce: Callable[[IO[bytes]], None]) -> None:
-    """``produce(file)`` becomes the file ``path``, never torn, and durable when this returns.
-
-    Parent folders are created. A crash at any moment leaves the old file (or none) at ``path``; the
-    temporary file it may leave behind starts with ``.fabric-tmp-`` and is removed by the next save.
-
-    Durability costs a flush of the whole file to disk. Most of it is hidden: while ``produce`` writes
-    (``torch.save`` serializing), every finished stretch of the file is handed to the kernel for writeback at
-    once (``sync_file_range``), so the disk works in parallel and the final ``fdatasync`` only waits for the
-    last few megabytes. An error of ``produce`` other than a write error reaches the caller unchanged.
-    """
+    """``produce(file)`` becomes the file ``path`` (parent folders created), never torn, and durable when this returns:
+    a crash at any moment leaves the old file (or none) there, and maybe a ``.fabric-tmp-`` file the next save removes.
+    An error of ``produce`` other than a write error reaches the caller unchanged."""
     _check_target(path)
     _check_parents(path)
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_files(folder, path.name)
-    try:
-        fd, temp_name = _create_temp_file(folder, path.name)
-    except OSError as err:
-        if err.errno == errno.ENAMETOOLONG or not err.strerror:
-            raise
-        # a read-only file system, a folder without write permission, a full disk: name the checkpoint
-        raise OSError(err.errno, f"Could not save the checkpoint {str(path)!r}: {err.strerror} (no file can be created"
-                      f" in {str(folder)!r}; the previous file, if any, is unchanged)") from None
+    fd, temp_name = _create_temp_file(folder, path.name)
     try:
         with os.fdopen(fd, "wb", buffering=_WRITE_BUFFER) as file:
             writer = _EarlyWriteback(file)
@@ -91,9 +61,8 @@ def atomic_write(path: Path, produce: Callable[[IO[bytes]], None]) -> None:
     fsync_folder(folder)
 
 
-class DiskStore:
-    """Checkpoints on the local disk (or a shared file system): a file published by rename, a folder of shards
-    published by renames beside the target (module docstring)."""
+class DiskStore(Store):
+    """Checkpoints on the local disk (or a shared file system), published by renames (module docstring)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -116,9 +85,6 @@ class DiskStore:
             return Found("folder")
         lightning = (folder / LIGHTNING_META_FILE).is_file() and not (folder / OBJECTS_FILE).is_file()
         return Found("lightning" if lightning else "sharded")
-
-    def adopt(self, found: Found) -> None:
-        pass  # the disk keeps nothing between the detection and the read
 
     def exists(self) -> bool:
         return _exists(self.path)
@@ -179,10 +145,8 @@ class DiskStore:
         return _FolderRead(self.path)
 
 
-class _FolderSave:
+class _FolderSave(ShardedSave):
     """A sharded save into the temporary folder beside the target, published by renames (rank 0)."""
-
-    room_hint = ""
 
     def __init__(self, path: Path, token: str) -> None:
         self.path, self.token = path, token
@@ -190,9 +154,6 @@ class _FolderSave:
 
     def writer(self, nbytes: int) -> Any:
         return FileSystemWriter(self.folder, sync_files=True)
-
-    def part(self, writer: Any, rank: int) -> dict[str, Any]:
-        return {}  # rank 0 reads every rank's files from the folder they share
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
@@ -204,20 +165,12 @@ class _FolderSave:
         atomic_write(self.folder / OBJECTS_FILE, write_objects)
         commit_folder(self.folder, self.path, self.token)
 
-    def describe(self, err: BaseException) -> str:
-        return str(err)
-
     def abort(self) -> None:
         remove_quietly(self.folder)
 
-    def close(self) -> None:
-        pass
 
-
-class _FolderRead:
+class _FolderRead(ShardedRead):
     """A sharded checkpoint folder on the disk (or the previous one a save cut mid-commit left aside)."""
-
-    fetch = None
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -228,12 +181,6 @@ class _FolderRead:
 
     def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
         check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
-
-    def naming(self) -> AbstractContextManager[None]:
-        return nullcontext()
-
-    def close(self) -> None:
-        pass
 
 
 def _check_parents(path: Path) -> None:
@@ -286,14 +233,13 @@ def special_kind(path: Path) -> str | None:
         return None  # e.g. a component is not a folder: mkdir / open report it naming the path
     except ValueError:  # a NUL byte: no file can have that name
         return "a path with a NUL byte (no file name can hold one)"
-    if stat.S_ISDIR(mode):
-        return "a folder"
     if stat.S_ISREG(mode):
         return None
     return _FILE_KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 _FILE_KINDS = {
+    stat.S_IFDIR: "a folder",
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
     stat.S_IFIFO: "a FIFO (named pipe)",
@@ -302,11 +248,8 @@ _FILE_KINDS = {
 
 
 def _write_error(err: BaseException) -> OSError | None:
-    """The operating system's write error (disk full, file too large, I/O error) behind ``err``, if any.
-
-    ``torch.save`` reports a failed write of its zip writer as a RuntimeError whose cause is lost; the
-    OSError raised by our file object is then its ``__context__``.
-    """
+    """The operating system's write error (disk full, file too large, I/O error) behind ``err``, if any: ``torch.save``
+    reports a failed write of its zip writer as a RuntimeError whose cause is lost (our file's OSError is its context)."""
     seen = 0
     while err is not None and seen < 8:
         if isinstance(err, OSError) and err.errno is not None and err.strerror:
@@ -323,11 +266,8 @@ _WRITEBACK_CHUNK = 16 << 20
 
 
 class _EarlyWriteback:
-    """The file object ``torch.save`` writes to: starts the disk writes while serialization goes on.
-
-    Without it, ``torch.save`` fills the page cache and the final sync writes everything at once,
-    after serialization: the two costs add up. Started early, they overlap.
-    """
+    """The file object ``torch.save`` writes to: each finished stretch is handed to the kernel for writeback at once, so
+    the disk writes while serialization goes on (not all after it) and the final ``fdatasync`` waits for the last few MB."""
 
     def __init__(self, file: Any) -> None:
         self._file = file
@@ -351,47 +291,29 @@ class _EarlyWriteback:
     def finish(self) -> None:
         """Everything on disk (data, and the size needed to read it back)."""
         self._file.flush()
-        if hasattr(os, "fdatasync"):
-            os.fdatasync(self._fd)
-        else:
-            os.fsync(self._fd)
+        getattr(os, "fdatasync", os.fsync)(self._fd)
 
 
-_SYNC_FILE_RANGE: Any = None
-
-
+@functools.cache
 def _sync_file_range() -> Any:
-    """``sync_file_range(fd, offset, nbytes)`` that starts writeback without waiting, or None.
+    """``sync_file_range(fd, offset, nbytes)`` starting writeback without waiting (Linux; ctypes: Python has no binding), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
 
-    Linux only (through ctypes: Python does not expose it); elsewhere the final sync does it all.
-    """
-    global _SYNC_FILE_RANGE
-    if _SYNC_FILE_RANGE is None:
-        _SYNC_FILE_RANGE = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                libc = ctypes.CDLL(None, use_errno=True)
-                function = libc.sync_file_range
-                function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                function.restype = ctypes.c_int
-                write = 2  # SYNC_FILE_RANGE_WRITE: start writing the dirty pages, do not wait
-
-                def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-                    function(fd, offset, nbytes, write)  # a failure only means less overlap
-
-                _SYNC_FILE_RANGE = start_writeback
-            except (OSError, AttributeError):
-                pass
-    return _SYNC_FILE_RANGE or None
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    # 2: SYNC_FILE_RANGE_WRITE, start writing the dirty pages, do not wait (a failure only means less overlap)
+    return lambda fd, offset, nbytes: function(fd, offset, nbytes, 2)
 
 
 def _create_temp_file(folder: Path, name: str) -> tuple[int, str]:
-    """A new file next to the target, named after it and this process (so stale ones can be told).
-
-    Created with mode 0o666 so the umask applies, as for ``torch.save`` (``mkstemp`` would make it 0o600).
-    """
+    """A new file next to the target, named after it and this process (so stale ones can be told), with mode 0o666 so
+    the umask applies, as for ``torch.save`` (``mkstemp`` would make it 0o600)."""
     for _ in range(100):
         temp = f"{_TEMP_PREFIX}{name}.{os.getpid()}.{secrets.token_hex(4)}"
         temp_name = str(folder / temp)
@@ -400,14 +322,18 @@ def _create_temp_file(folder: Path, name: str) -> tuple[int, str]:
         except FileExistsError:
             continue
         except OSError as err:
-            if err.errno != errno.ENAMETOOLONG:
+            if err.errno == errno.ENAMETOOLONG:
+                raise OSError(
+                    err.errno,
+                    f"Cannot save the checkpoint {str(folder / name)!r}: its file name is too long ({len(name)} characters;"
+                    f" the save's temporary file needs {len(temp)}, over this file system's limit of {_name_max(folder)});"
+                    " choose a shorter name",
+                ) from None
+            if not err.strerror:
                 raise
-            raise OSError(
-                err.errno,
-                f"Cannot save the checkpoint {str(folder / name)!r}: its file name is too long ({len(name)} characters;"
-                f" the save's temporary file needs {len(temp)}, over this file system's limit of {_name_max(folder)});"
-                " choose a shorter name",
-            ) from None
+            # a read-only file system, a folder without write permission, a full disk: name the checkpoint
+            raise OSError(err.errno, f"Could not save the checkpoint {str(folder / name)!r}: {err.strerror} (no file can be"
+                          f" created in {str(folder)!r}; the previous file, if any, is unchanged)") from None
     raise FileExistsError(f"Could not create a temporary file next to {str(folder / name)!r}")
 
 
@@ -421,11 +347,7 @@ def _name_max(folder: Path) -> int | str:
 def _keep_mode_of(path: Path, temp_name: str) -> None:
     """An existing checkpoint's permissions carry over to its replacement, as an overwrite would keep them."""
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        return
-    try:
-        os.chmod(temp_name, mode)
+        os.chmod(temp_name, stat.S_IMODE(os.stat(path).st_mode))
     except OSError:
         pass
 
@@ -443,9 +365,8 @@ def _remove_stale_temp_files(folder: Path, name: str) -> None:
 
 
 def out_of_space(folder: str | Path, needed: int) -> str | None:
-    """Asked when a write failed: "No space left on device ..." when the file system of ``folder`` has less
-    free space than ``needed`` bytes (or none), else None. Errors a library wraps lose their errno; this
-    finds the reason anyway."""
+    """Asked when a write failed: "No space left on device ..." when the file system of ``folder`` has less free space
+    than ``needed`` bytes (or none), else None: errors a library wraps lose their errno; this finds the reason anyway."""
     path = Path(folder)
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -491,13 +412,10 @@ def temp_folder_for(path: str | Path, token: str) -> Path:
 
 
 def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[str] = frozenset()) -> None:
-    """Before a save (rank 0, no save of ``path`` running): undo what a crashed save left behind.
-
-    A missing ``path`` with an aside copy is a commit cut between its two renames: the previous
-    checkpoint goes back in place. Other aside copies and temporary folders are garbage. With a
-    ``token``, the spare (if any) becomes this save's temporary folder, keeping only the files named
-    in ``keep`` (those the save will overwrite).
-    """
+    """Before a save (rank 0, no save of ``path`` running): undo what a crashed save left behind. A missing ``path``
+    with an aside copy is a commit cut between its two renames: the previous checkpoint goes back in place; other aside
+    copies and temporary folders are garbage. With a ``token``, the spare (if any) becomes this save's temporary
+    folder, keeping only the files named in ``keep`` (those the save will overwrite)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     asides = _siblings(path, ASIDE_PREFIX)
@@ -518,9 +436,8 @@ def prepare_target(path: str | Path, token: str | None = None, keep: frozenset[s
 
 
 def mark_writer(folder: Path) -> None:
-    """Record in ``folder`` (a save's temporary or aside folder) that this process, on this host, writes it. The
-    record appears whole or not at all (written under another name, then renamed): a save killed between creating
-    it and writing it left an empty record, which keeps its folder from every clean-up."""
+    """Record in ``folder`` (a save's temporary or aside folder) that this process, on this host, writes it, whole or not
+    at all: a save killed between creating it and writing it left an empty record, which kept its folder from every clean-up."""
     import socket
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -537,12 +454,10 @@ def unmark_writer(folder: Path) -> None:
 
 
 def remove_abandoned(path: str | Path) -> list[Path]:
-    """Remove what killed saves left beside ``path``, for every checkpoint in its folder (a job that names its
-    checkpoints by step never saves or loads the killed one's name again): temporary folders, and aside
-    copies whose checkpoint exists, whose writer (named in the folder) ran on this host and is gone. Every
-    other is left (a save in progress, another host's, one without a record, an aside that is the previous
-    checkpoint). Also the single-file temporary files of ``path``'s dead writers (those of other names are
-    left: their names carry a pid but no host). Never raises; returns what it removed."""
+    """Remove what killed saves left beside ``path``, for every checkpoint in its folder (a job that names its checkpoints
+    by step never saves or loads the killed one's name again): temporary folders, and aside copies whose checkpoint
+    exists, of a writer (named in the folder) on this host that is gone; also ``path``'s own temporary files of dead
+    writers (other names' carry a pid but no host). Nothing else. Never raises; returns what it removed."""
     path = Path(path)
     folder = path.parent
     removed: list[Path] = []
@@ -577,7 +492,8 @@ def remove_abandoned_once(path: str | Path) -> None:
 
 
 def _leftover_of(entry_name: str) -> tuple[str, str] | None:
-    """(prefix, checkpoint name) of a save's temporary or aside folder's name; None for anything else."""
+    """(prefix, checkpoint name) of a save's temporary or aside folder's name; None for anything else (the rest must
+    be exactly a token: ".fabric-old-a.b.TOKEN" belongs to "a.b", not to "a")."""
     for prefix in (TEMP_FOLDER_PREFIX, ASIDE_PREFIX):
         if entry_name.startswith(prefix):
             name, _, token = entry_name[len(prefix) :].rpartition(".")
@@ -650,13 +566,7 @@ def remove_quietly(path: Path) -> None:
 def _siblings(path: Path, prefix: str) -> list[Path]:
     if not path.parent.is_dir():
         return []
-    start = f"{prefix}{path.name}."
-    # the rest must be exactly a token: ".fabric-old-a.b.TOKEN" belongs to "a.b", not to "a"
-    return [
-        entry
-        for entry in path.parent.iterdir()
-        if entry.name.startswith(start) and _is_token(entry.name[len(start) :])
-    ]
+    return [entry for entry in path.parent.iterdir() if _leftover_of(entry.name) == (prefix, path.name)]
 
 
 def _is_token(text: str) -> bool:

@@ -1,42 +1,36 @@
-"""Checkpoints on an object store (any fsspec URL): the ``Store`` whose saves are committed by a record written
-last (``objects``: the record, generations, checked uploads and fetches); a sharded save is staged locally and
-uploaded as it is written (``sharded_store``).
-"""
+"""Checkpoints on an object store (any fsspec URL); a sharded save or read goes through a local staging folder (``sharded_store``)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import IO, TypeVar
+from typing import IO
 
-from fabric._core.urls import error_summary, unreachable
+from fabric._core.urls import error_summary, filesystem, redact, store_errors, unreachable
 from fabric.checkpoint.errors import CommitRecordError, is_pickling_error
 from fabric.checkpoint.storage.objects import (
+    DATA_SUFFIX,
     FILE_OBJECT,
     ConcurrentSaveError,
     Record,
     commit,
     fetch_object,
-    filesystem,
     generation_prefix,
-    library_errors,
     new_generation,
     read_record,
     reading,
-    redact,
     remove_failed_generation,
-    remove_generations,
+    remove_object_quietly,
     write_object,
 )
 from fabric.checkpoint.storage.sharded_store import StoreFolder, StoreSave
-from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave
-
-T = TypeVar("T")
+from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave, Store, T
 
 
-class ObjectStore:
-    """Checkpoints on an object store (any fsspec URL): every object of a save under a new generation, the commit
-    record written last (``objects``). Reads go through the record: the one ``detect`` read, when it ran."""
+class ObjectStore(Store):
+    """Every object of a save under a new generation, the commit record written last (``objects``). Reads go through the
+    record: the one ``detect`` read, when it ran. Nothing to clean up before a save or a load: no FIFOs, and a cut
+    save's objects, which no record names, are never loaded (the next save's clean-up removes them)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -76,12 +70,6 @@ class ObjectStore:
     def is_folder(self) -> bool:
         return False  # a store's checkpoint is its commit record, one object
 
-    def before_save(self) -> None:
-        pass  # a cut save's objects are removed by the next save's clean-up
-
-    def before_load(self) -> None:
-        pass  # a store has no FIFOs, and a cut save's objects are not loaded (no record names them)
-
     def write_file(self, produce: Callable[[IO[bytes]], None], replace_folder: bool = False) -> None:
         fs, path = filesystem(self.url)
         generation = new_generation()
@@ -120,11 +108,11 @@ class ObjectStore:
         """The commit record first (it stops being a checkpoint), then its objects."""
         fs, path = filesystem(self.url)
         try:
-            with library_errors(f"Could not remove the checkpoint {self.shown!r}", self.url):
+            with store_errors("remove the checkpoint", self.url, passing=(FileNotFoundError,)):
                 fs.rm(path)
         except FileNotFoundError:
             pass
-        remove_generations(fs, path)
+        remove_object_quietly(fs, f"{path}{DATA_SUFFIX}", recursive=True)  # every generation
 
     def prepare_sharded_save(self, files_written: frozenset[str]) -> str:
         filesystem(self.url)  # the scheme and the library, checked on rank 0 before any rank writes

@@ -1,12 +1,8 @@
-"""The objects of checkpoints on a store (any fsspec URL): the commit record, generations, checked transfers.
-
-An object store has no rename and no fsync, so a save becomes the checkpoint by a *commit record*, one small
-JSON object written last at the target URL: it names the save's generation (``URL.fabric/GENERATION/``, where
-every object went first) and each object's size and CRC-32; a sharded data file's entry also keeps each item's,
-so a load can fetch just the byte ranges its ranks read (:func:`fetch_items`) and still check every byte. The
-previous checkpoint stays loadable until the record is written; older generations go only after it.
-
-fsspec and the storage libraries are imported on first use of a URL, never at ``import fabric``.
+"""The objects of checkpoints on a store (any fsspec URL): the commit record, generations, checked transfers. A store
+has no rename and no fsync, so a save becomes the checkpoint by a *commit record* written last (its generation, each
+object's size and CRC-32, and each item's of a sharded data file: a load fetches just the ranges its ranks read and
+still checks every byte). The previous checkpoint stays loadable until the record is written; older generations go
+only after it. fsspec and the storage libraries are imported on first use of a URL, never at ``import fabric``.
 """
 
 from __future__ import annotations
@@ -17,33 +13,16 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fabric._core.processes import process_alive
-from fabric._core.urls import (
-    filesystem,
-    is_url,
-    local_or_url,
-    redact,
-    storage_error,
-    unreachable,
-    without_secrets,
-)
+from fabric._core.urls import redact, store_errors, unreachable
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
 from fabric.checkpoint.integrity import crc32
-
-# names of other modules that code and tests import from here
-__all__ = [
-    "CommitRecordError",
-    "filesystem",
-    "is_url",
-    "local_or_url",
-    "redact",
-]
 
 RECORD_FORMAT = "fabric-commit"
 RECORD_VERSION = 1
@@ -56,23 +35,10 @@ _RANGE_PIECE = 32 << 20  # a fetched byte range is read in GETs of at most this 
 _MAX_GAP = 1 << 20  # items of one object closer than this are fetched in one GET (the gap is read and dropped)
 
 
-@contextmanager
-def library_errors(what: str, url: str) -> Iterator[None]:
-    """A storage library's error in the block re-raised as ours: ``what`` (e.g. "Could not read the checkpoint
-    's3://...'", the URL redacted) and the library's message, chained only to a copy of it without the secrets of
-    ``url`` (``fabric._core.urls.storage_error``). Our own errors pass: a checkpoint's (CheckpointLoadError) and a
-    missing object's (FileNotFoundError, which the callers turn into theirs)."""
-    try:
-        yield
-    except (CheckpointLoadError, FileNotFoundError):
-        raise
-    except Exception as err:
-        raise storage_error(what, url, err) from without_secrets(err, url)
-
-
 def reading(url: str, what: str = "the checkpoint") -> AbstractContextManager[None]:
-    """:func:`library_errors` of a read of ``what`` at ``url``."""
-    return library_errors(f"Could not read {what} {redact(url)!r}", url)
+    """A read of ``what`` at ``url``: the library's errors as ours (``urls.store_errors``); a checkpoint's own
+    (CheckpointLoadError) and a missing object's (FileNotFoundError, which the callers make theirs) pass."""
+    return store_errors(f"read {what}", url, passing=(CheckpointLoadError, FileNotFoundError))
 
 
 # ---- the commit record ----------------------------------------------------------------------
@@ -225,11 +191,9 @@ def _age(generation: str) -> int | None:
 
 
 def _remove_older_generations(fs: Any, path: str, url: str, own: Record) -> None:
-    """After the commit of ``own``: remove the generations older than it that the record does not name; never raises.
-
-    A listing of everything under ``URL.fabric/``, a read of the record, one bulk delete (per 1000 objects) and a
-    second read of the record. A generation newer than ``own`` is another writer's (in progress, or committed since):
-    its own clean-up, or the next save's, removes it."""
+    """After the commit of ``own``: remove the generations older than it that the record does not name (one listing, a
+    read of the record, one bulk delete per 1000 objects, a second read); never raises. A generation newer than
+    ``own`` is another writer's (in progress, or committed since): its own clean-up, or the next save's, removes it."""
     folder = f"{path}{DATA_SUFFIX}"
     own_age = _age(own.generation)
     try:
@@ -254,14 +218,6 @@ def _remove_older_generations(fs: Any, path: str, url: str, own: Record) -> None
         if after is not None and after.generation in doomed_generations:
             write_record(fs, path, own)  # the other writer committed what was just removed: ours is whole
     except Exception:  # the new checkpoint is committed; leftovers are removed by the next save
-        pass
-
-
-def remove_generations(fs: Any, path: str) -> None:
-    """Remove every generation of ``path`` (after its record: the checkpoint is being removed); never raises."""
-    try:
-        fs.rm(f"{path}{DATA_SUFFIX}", recursive=True)
-    except Exception:
         pass
 
 
@@ -292,9 +248,8 @@ class _Digesting:
 
 
 class ItemDigests:
-    """The CRC-32 of each of ``spans`` (``(offset, length)``, sorted, not overlapping) of a byte stream that
-    arrives in pieces, in order (:meth:`update` with each piece and where it starts); bytes outside them are
-    not digested."""
+    """The CRC-32 of each of ``spans`` (``(offset, length)``, sorted, not overlapping) of a byte stream that arrives in
+    pieces, in order (:meth:`update` with each piece and where it starts); bytes outside them are not digested."""
 
     def __init__(self, spans: Sequence[tuple[int, int]]) -> None:
         self.spans = list(spans)
@@ -378,11 +333,9 @@ def upload_file(fs: Any, local: Path, path: str, where: str) -> dict[str, Any]:
 
 
 class GrowingUpload:
-    """The upload of a local file while it is being written: a thread sends to the object ``path`` what the
-    writer has written so far (:meth:`grew`), read back from the file, digested on its way (size, CRC-32);
-    :meth:`finish` waits for the rest and returns the digest (or raises the upload's error), :meth:`abort`
-    gives up and discards the object. Writing and uploading overlap, so a staged save costs about what the
-    slower of the two costs, not their sum."""
+    """The upload of a local file while it is being written: a thread sends to the object ``path`` what the writer
+    has written so far (:meth:`grew`), read back from the file and digested on its way (:meth:`abort` discards it).
+    Writing and uploading overlap, so a staged save costs about what the slower of the two costs, not their sum."""
 
     def __init__(self, fs: Any, local: Path, path: str, where: str) -> None:
         import threading
@@ -399,7 +352,6 @@ class GrowingUpload:
         self._thread.start()
 
     def grew(self, written: int) -> None:
-        """The file now holds ``written`` bytes."""
         with self._changed:
             self._written = written
             if written - self._sent >= _CHUNK:
@@ -453,12 +405,9 @@ class _Aborted(Exception):
 
 
 def new_staging(purpose: str) -> Path:
-    """A new private local folder for a rank's part of a sharded checkpoint on its way to or from a store
-    (in ``TMPDIR``, else the system's temporary folder); the caller removes it. ``purpose``: "save" or "load".
-
-    Its name says which process on which host made it (``fabric-staging-PURPOSE-PID-HOST-RANDOM``): a rank
-    killed mid-save cannot remove its folder (as large as its part of the model), so the first staging folder
-    of each process removes those whose process on this host is gone."""
+    """A new private local folder (in ``TMPDIR``) for a rank's part of a sharded checkpoint to or from a store; the caller
+    removes it. A rank killed mid-save cannot remove its own (as large as its part of the model): the name says which
+    process on which host made it, and each process's first one removes those of this host whose process is gone."""
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{purpose}-{os.getpid()}-{_host_tag()}-"))
@@ -496,10 +445,10 @@ def remove_abandoned_staging(folder: Path) -> list[Path]:
     return removed
 
 
-def remove_object_quietly(fs: Any, path: str) -> None:
-    """Remove the object ``path`` if it can be removed; never raises."""
+def remove_object_quietly(fs: Any, path: str, **options: Any) -> None:
+    """``fs.rm(path, **options)`` if it can be done; never raises."""
     try:
-        fs.rm(path)
+        fs.rm(path, **options)
     except Exception:
         pass
 
@@ -508,33 +457,24 @@ def remove_failed_generation(fs: Any, path: str, url: str, generation: str) -> N
     """After a failed save: remove its generation's objects, unless the record names it (its commit may have landed
     before the error); best effort, never raises. Other generations are left: another writer's may be in progress."""
     named = _record_or_none(fs, path, url)
-    if named is not None and named.generation == generation:
-        return
-    try:
-        fs.rm(generation_prefix(path, generation), recursive=True)
-    except Exception:
-        pass
+    if named is None or named.generation != generation:
+        remove_object_quietly(fs, generation_prefix(path, generation), recursive=True)
 
 
-def fetch_object(fs: Any, path: str, record: Record, name: str, url: str) -> int:
-    """The object ``name`` of ``record`` read into an anonymous in-memory file (its descriptor), its size and
-    CRC-32 checked against the record (CommitRecordError naming what differs); the caller closes it."""
-    fd = _anonymous_file()
+def fetch_object(fs: Any, path: str, record: Record, name: str, url: str, local: Path | None = None) -> int:
+    """The object ``name`` of ``record``, its size and CRC-32 checked against the record (CommitRecordError naming what
+    differs), read into the new local file ``local``, else an anonymous in-memory file: its descriptor, for the caller to close."""
+    fd = _anonymous_file() if local is None else os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        _fetch_whole(fs, path, record, name, url, fd)
+        remote, where, size = _listed_object(fs, path, record, name, url)
+        digests = ItemDigests([(0, size)])
+        _fetch_range(fs, remote, 0, size, digests, fd, local, where, "(truncated while it was read)")
+        if digests.crcs[0] != record.objects[name]["crc32"]:
+            raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def fetch_to_file(fs: Any, path: str, record: Record, name: str, url: str, local: Path) -> None:
-    """The object ``name`` of ``record`` copied to the new local file ``local``, checked as :func:`fetch_object`."""
-    fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        _fetch_whole(fs, path, record, name, url, fd, local)
-    finally:
-        os.close(fd)
 
 
 def _where(url: str, record: Record, name: str) -> str:
@@ -549,8 +489,7 @@ def _expected(record: Record, name: str, url: str) -> dict[str, Any]:
 
 
 def _listed_object(fs: Any, path: str, record: Record, name: str, url: str) -> tuple[str, str, int]:
-    """(path on the store, how messages name it, size) of the object ``name`` of ``record``, there with the size the
-    record lists (else CommitRecordError)."""
+    """(path on the store, how messages name it, size) of the object ``name``, there with the size the record lists."""
     expected = _expected(record, name, url)
     where = _where(url, record, name)
     remote = f"{generation_prefix(path, record.generation)}/{name}"
@@ -561,14 +500,6 @@ def _listed_object(fs: Any, path: str, record: Record, name: str, url: str) -> t
     if size != expected["size"]:
         raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
     return remote, where, size
-
-
-def _fetch_whole(fs: Any, path: str, record: Record, name: str, url: str, fd: int, local: Path | None = None) -> None:
-    remote, where, size = _listed_object(fs, path, record, name, url)
-    digests = ItemDigests([(0, size)])
-    _fetch_range(fs, remote, 0, size, digests, fd, local, where, "(truncated while it was read)")
-    if digests.crcs[0] != record.objects[name]["crc32"]:
-        raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
 
 
 def _fetch_range(fs: Any, remote: str, start: int, end: int, digests: ItemDigests, fd: int, local: Path | None, where: str, cut: str) -> None:
@@ -612,11 +543,9 @@ Item = tuple[int, int, str]  # (offset, length, what it holds: named in errors)
 def fetch_items(
     fs: Any, path: str, record: Record, name: str, url: str, local: Path, items: Sequence[Item], crcs: dict[tuple[int, int], int]
 ) -> None:
-    """Copy the byte ranges ``items`` of the data file ``name`` of a sharded checkpoint into the same offsets of
-    the local file ``local`` (created if needed; the rest of it stays a hole), each item checked against its
-    CRC-32 in ``crcs`` (from the commit record: :func:`item_crcs`). Items closer together than 1 MiB are read
-    in one GET. A missing object, one of another size, or an item whose bytes differ raises CommitRecordError
-    naming the object (and the item)."""
+    """Copy the byte ranges ``items`` of the data file ``name`` into the same offsets of the local file ``local`` (the
+    rest of it stays a hole), each checked against its CRC-32 in ``crcs`` (:func:`item_crcs`); a missing object, one
+    of another size, or an item whose bytes differ raises CommitRecordError naming the object (and the item)."""
     remote, where, _ = _listed_object(fs, path, record, name, url)
     fd = os.open(local, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
@@ -636,9 +565,8 @@ def fetch_items(
 
 
 def item_crcs(record: Record, name: str, spans: Sequence[tuple[int, int]], url: str) -> dict[tuple[int, int], int]:
-    """The CRC-32 the commit record keeps for each item of the data file ``name``, by ``(offset, length)``:
-    ``spans`` are all the items the index places in that file (the record lists their CRCs in offset order).
-    A record that keeps another number of them is refused (CommitRecordError)."""
+    """The CRC-32 the commit record keeps (in offset order) for each of ``spans``, all the items the index places in the
+    data file ``name``, by ``(offset, length)``; a record that keeps another number of them raises CommitRecordError."""
     expected = _expected(record, name, url)
     crcs = expected.get(ITEMS_KEY)
     every = sorted(set(spans))

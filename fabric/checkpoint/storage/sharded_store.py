@@ -1,11 +1,7 @@
-"""Sharded checkpoints on a store (any fsspec URL): written and read through a local staging folder,
-made visible by the commit record (``object_store``); the flow is told in docs/architecture.md ("A sharded
-checkpoint on a store").
-
-A save's staging folder is not synced: it need not survive a crash. Each data file is uploaded while torch
-writes it, so a save costs about the slower of writing and uploading, not their sum; a failure anywhere
-leaves the previous checkpoint as it was (its record is untouched). Every rank of a load uses the one record
-rank 0 read: a save committing meanwhile cannot give two ranks two checkpoints.
+"""Sharded checkpoints on a store (any fsspec URL) through a local staging folder, made visible by the commit record
+(the flow: "A sharded checkpoint on a store" in docs/architecture.md). A save's staging folder is not synced: it need
+not survive a crash; a failure anywhere leaves the previous checkpoint (its record is untouched). Every rank of a load
+uses the one record rank 0 read: a save committing meanwhile cannot give two ranks two checkpoints.
 """
 
 from __future__ import annotations
@@ -22,16 +18,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import fabric.checkpoint.storage.objects as storage
-from fabric._core.urls import error_summary, unreachable
+from fabric._core.urls import error_summary, filesystem, redact, unreachable
 from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
 from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE, check_data_files_belong, check_files_listed, data_files_written
+from fabric.checkpoint.storage.store import ShardedRead, ShardedSave
 
 __all__ = ["StoreFolder", "StoreSave"]
 
 
 class _Tee:
-    """The stream torch's writer writes a data file to: the local staging file, every byte of it also handed
-    to its upload (which reads it back from the file as it grows)."""
+    """The stream torch's writer writes a data file to: the staging file, each byte also handed to its upload (which reads it back)."""
 
     def __init__(self, fd: int, upload: storage.GrowingUpload | None) -> None:
         self._fd = fd
@@ -62,9 +58,8 @@ class _Tee:
 
 
 class _UploadingFileSystem(FileSystem):
-    """torch's local file system, except that each data file (``*.distcp``) is uploaded while it is written
-    (``start(local)`` starts its upload; None: no store to upload to). ``uploads``: each data file's digest,
-    or the error its upload met."""
+    """torch's local file system, except that each data file (``*.distcp``) is uploaded while it is written (``start``:
+    None, no store to upload to). ``uploads``: each data file's digest, or the error its upload met."""
 
     def __init__(self, start: Callable[[Path], storage.GrowingUpload] | None) -> None:
         super().__init__()
@@ -110,10 +105,6 @@ _MAX_FILES = 4
 _BYTES_PER_FILE = 16 << 20
 
 
-def _files_for(nbytes: int) -> int:
-    return max(1, min(_MAX_FILES, nbytes // _BYTES_PER_FILE))
-
-
 class _RecordingWriter(FileSystemWriter):
     """torch's file-system writer (unsynced, over ``fs``, ``files`` data files written by as many threads) that
     keeps where it put each item: the rank's part of the index, known before rank 0 writes the index."""
@@ -129,7 +120,7 @@ class _RecordingWriter(FileSystemWriter):
         return future
 
 
-class StoreSave:
+class StoreSave(ShardedSave):
     """One rank's side of a sharded save to a store: its shards written into a staging folder and uploaded as they
     are written; rank 0 uploads the objects file and commits the record."""
 
@@ -145,13 +136,13 @@ class StoreSave:
     def writer(self, nbytes: int) -> Any:
         start: Callable[[Path], storage.GrowingUpload] | None = None
         try:
-            fs, path = storage.filesystem(self.url)
+            fs, path = filesystem(self.url)
             prefix = storage.generation_prefix(path, self.generation)
             start = lambda local: storage.GrowingUpload(fs, local, f"{prefix}/{local.name}", self.url)  # noqa: E731
         except Exception as err:  # this rank still writes its part (the save is a collective), then reports it
             self._unreachable = err
         self._files = _UploadingFileSystem(start)
-        return _RecordingWriter(self.folder, self._files, _files_for(nbytes))
+        return _RecordingWriter(self.folder, self._files, max(1, min(_MAX_FILES, nbytes // _BYTES_PER_FILE)))
 
     def part(self, writer: Any, rank: int) -> dict[str, Any]:
         """Each data file's upload digest with its items' CRC-32s and its records digest (on rank 0 also the index,
@@ -161,7 +152,7 @@ class StoreSave:
                 raise self._unreachable
             assert self._files is not None
             uploads = self._files.uploads
-            fs, path = storage.filesystem(self.url)
+            fs, path = filesystem(self.url)
             prefix = storage.generation_prefix(path, self.generation)
             items: dict[str, list[tuple[int, int]]] = {}
             for info in writer.written:
@@ -189,15 +180,12 @@ class StoreSave:
             return {"error": failed, "raises": raises}
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        self._uploaded: dict[str, Any] = {}
-        data_files: dict[str, Any] = {}
-        for part in parts:
-            data_files.update(part["data_files"])
-            self._uploaded.update(part["uploaded"])
+        self._uploaded: dict[str, Any] = {name: digest for part in parts for name, digest in part["uploaded"].items()}
+        data_files = {name: entry for part in parts for name, entry in part["data_files"].items()}
         return {"index_crc32": self._uploaded[INDEX_FILE]["crc32"], "save_id": self.generation, "data_files": data_files}
 
     def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
-        fs, path = storage.filesystem(self.url)
+        fs, path = filesystem(self.url)
         prefix = storage.generation_prefix(path, self.generation)
         try:
             self._uploaded[OBJECTS_FILE] = storage.write_object(fs, f"{prefix}/{OBJECTS_FILE}", write_objects, self.url)
@@ -215,7 +203,7 @@ class StoreSave:
         if self._silent:
             return
         try:
-            fs, path = storage.filesystem(self.url)
+            fs, path = filesystem(self.url)
         except Exception:
             return
         storage.remove_failed_generation(fs, path, self.url, self.generation)
@@ -230,13 +218,13 @@ class StoreSave:
 _LOAD_STAGING = re.compile(r"[^'\"\s]*" + re.escape(storage.STAGING_PREFIX) + r"load-[A-Za-z0-9_-]+")
 
 
-class StoreFolder:
+class StoreFolder(ShardedRead):
     """A committed sharded checkpoint on a store, fetched as needed into a local staging folder (removed by
     :meth:`close`). ``record()``: the commit record (the one every rank adopted from rank 0's detection)."""
 
     def __init__(self, url: str, record: Callable[[], storage.Record]) -> None:
         self.url = url
-        self.shown = storage.redact(url)
+        self.shown = redact(url)
         self._record = record
         self.folder = storage.new_staging("load")
         self._crcs: dict[str, dict[tuple[int, int], int]] = {}  # data file -> (offset, length) of each item -> CRC-32
@@ -247,7 +235,7 @@ class StoreFolder:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _store(self) -> tuple[Any, str, storage.Record]:
-        fs, path = storage.filesystem(self.url)
+        fs, path = filesystem(self.url)
         return fs, path, self._record()
 
     def open(self) -> Path:
@@ -256,13 +244,11 @@ class StoreFolder:
         with storage.reading(self.url, "the sharded checkpoint"):
             for name in (INDEX_FILE, OBJECTS_FILE):
                 if not (self.folder / name).exists():
-                    storage.fetch_to_file(fs, path, record, name, self.url, self.folder / name)
+                    os.close(storage.fetch_object(fs, path, record, name, self.url, self.folder / name))
         return self.folder
 
     def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
-        """The commit record, the objects file and the index are of one save: the objects file names the
-        record's generation as its save, lists every data file the index names, each of the size the record
-        says, and the record keeps a CRC-32 for each of the index's items."""
+        """The commit record, the objects file and the index are of one save, and the record keeps each item's CRC-32."""
         _, _, record = self._store()
         save_id = objects.get("save_id")
         recorded: Any = objects.get("data_files")  # checked by check_files_listed
@@ -287,11 +273,9 @@ class StoreFolder:
         self._binding = (index, save_id, recorded)
 
     def fetch(self, needed: dict[str, list[tuple[int, int, str]]]) -> None:
-        """Bring the items ``needed`` (by data file: offset, length, entry) into the staging folder, each checked
-        against its CRC-32 in the commit record; a data file now there whole is also checked against the records
-        digest the objects file keeps for it (as a local folder's files are). Up to four data files are fetched
-        at once (a store serves parallel GETs faster than one stream); the first file's error, in name order,
-        is raised."""
+        """Bring the items ``needed`` into the staging folder, each checked against its CRC-32 in the commit record, and a
+        file now there whole against its records digest (as a local folder's are); up to four files at once (a store
+        serves parallel GETs faster than one stream), raising the first file's error in name order."""
         from concurrent.futures import ThreadPoolExecutor
 
         fs, path, record = self._store()
@@ -330,7 +314,6 @@ class StoreFolder:
 
     @contextmanager
     def naming(self) -> Iterator[None]:
-        """Errors of the local checks name the URL instead of a staging folder (this rank's or another's)."""
         try:
             yield
         except CheckpointLoadError as err:  # every load error derives from it (fabric.checkpoint.errors)

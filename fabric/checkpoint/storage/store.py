@@ -1,14 +1,13 @@
 """The one storage protocol the checkpoint formats write to and read from: the local disk (``disk.DiskStore``)
-and an object store (``object_store.ObjectStore``) implement it, and a format never asks which one it has.
-
-``detect`` says what the location holds (``Found``); a collective load runs it on rank 0 only and every rank
-adopts rank 0's answer (``adopt``), so no rank decides alone and a store's commit record is read once per load.
+and an object store (``object_store.ObjectStore``) implement it, and a format never asks which one it has (how
+``detect`` and ``adopt`` make one answer for every rank: "One storage layer" in docs/architecture.md). The stores
+derive from these protocols for their defaults (a bare ``return``: mypy takes an empty body for abstract).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
@@ -42,7 +41,8 @@ class Store(Protocol):
     def detect(self) -> Found:
         """What the location holds; raises for what cannot be read safely (a FIFO, a device, a loop of links)."""
 
-    def adopt(self, found: Found) -> None: ...
+    def adopt(self, found: Found) -> None:
+        return  # (by default, nothing is kept between the detection and the read)
 
     def exists(self) -> bool: ...
 
@@ -50,10 +50,12 @@ class Store(Protocol):
 
     def before_save(self) -> None:
         """Clean up once per process what killed saves of this location's folder left (never raises)."""
+        return
 
     def before_load(self) -> None:
         """Clean up what killed saves left (never raises); ``detect`` and ``read_file`` refuse what cannot be opened
         safely (a FIFO would block a read forever)."""
+        return
 
     def write_file(self, produce: Callable[[IO[bytes]], None], replace_folder: bool = False) -> None:
         """``produce(file)`` becomes the checkpoint file here, atomically: the previous checkpoint, whole, until it
@@ -74,17 +76,18 @@ class Store(Protocol):
 
 
 class ShardedSave(Protocol):
-    """One rank's side of one sharded save: ``folder`` is where torch's writer puts this rank's shards."""
+    """One rank's side of one sharded save: ``folder`` is where torch's writer puts this rank's shards (defaults: a local folder's)."""
 
     folder: Path
     #: said after a local-disk error of the staging folder (where to find room)
-    room_hint: str
+    room_hint: str = ""
 
     def writer(self, nbytes: int) -> Any:
         """torch's storage writer for this rank's ``nbytes`` of shards."""
 
     def part(self, writer: Any, rank: int) -> dict[str, Any]:
         """This rank's part of the commit, once its shards are written (or ``{"error": ..., "raises": <the class's name>}``)."""
+        return {}  # rank 0 reads every rank's files from the folder they share
 
     def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """Rank 0: what the objects file records to bind the save's files (index CRC, save id, data files)."""
@@ -94,22 +97,22 @@ class ShardedSave(Protocol):
 
     def describe(self, err: BaseException) -> str:
         """``err``'s message as the save's error repeats it (on a store: its first line, the URL without secrets)."""
+        return str(err)
 
     def abort(self) -> None:
         """Rank 0, after a failed save: remove what it wrote (never raises)."""
 
     def close(self) -> None:
         """Every rank: remove this rank's staging (never raises)."""
+        return
 
 
 class ShardedRead(Protocol):
     """A sharded checkpoint opened for reading: a local folder with its index and objects file; ``fetch`` brings
-    the items a read needs into it (None: the folder holds every file already)."""
+    the items a read needs into it (None, the default: the folder holds every file already)."""
 
     shown: str
-
-    @property
-    def fetch(self) -> Fetch | None: ...
+    fetch: Fetch | None = None
 
     def open(self) -> Path: ...
 
@@ -118,5 +121,7 @@ class ShardedRead(Protocol):
 
     def naming(self) -> AbstractContextManager[None]:
         """Errors of the local checks name the checkpoint, not a staging folder."""
+        return nullcontext()
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        return

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fabric._core.urls import filesystem
 from fabric.checkpoint.storage import objects
 from fabric.checkpoint.storage.objects import ConcurrentSaveError
 from fabric.plugins.io import atomic_save, safe_load
@@ -92,7 +93,7 @@ def test_a_save_whose_objects_the_other_writers_clean_up_removed_restores_the_ot
     assert assert_one_whole_save(url, {1.0, 2.0}) == 1.0
     atomic_save(state(3.0), url)  # and the next save cleans up after both
     assert assert_one_whole_save(url, {3.0}) == 3.0
-    fs, path = objects.filesystem(url)
+    fs, path = filesystem(url)
     assert len(fs.ls(f"{path}{objects.DATA_SUFFIX}", detail=False)) == 1
 
 
@@ -101,7 +102,7 @@ def test_a_clean_up_that_removed_a_generation_committed_meanwhile_writes_its_own
     removes it: A reads the record again, sees it names what it removed, and writes its own record back."""
     url = f"{memory_url}/ckpt.pt"
     b = Paused(url, 2.0, monkeypatch)  # B's generation is the older one
-    fs, _ = objects.filesystem(url)
+    fs, _ = filesystem(url)
     original_rm = type(fs).rm
 
     def rm(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]

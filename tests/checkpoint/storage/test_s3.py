@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fabric import Fabric
+from fabric._core.urls import filesystem
 from fabric.checkpoint.storage import objects as storage
 from fabric.plugins.io import atomic_save, safe_load
 from support.environment import free_port
@@ -48,7 +49,7 @@ def trained() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def the_object(url: str) -> str:
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     record = json.loads(fs.cat_file(path))
     return f"{storage.generation_prefix(path, record['generation'])}/{storage.FILE_OBJECT}"
 
@@ -60,7 +61,7 @@ def test_round_trip_lands_in_the_bucket(bucket: str, tmp_path, monkeypatch: pyte
     url = f"{bucket}/run/ckpt.pt"
     fabric.save(url, {"model": net, "optimizer": optimizer, "step": 3})
     assert os.listdir(tmp_path) == []  # nothing local
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     assert fs.exists(path) and fs.exists(the_object(url))
     fresh = nn.Linear(16, 8)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
@@ -85,7 +86,7 @@ def test_async_save(bucket: str) -> None:
 
 def test_older_generation_removed_after_commit(bucket: str) -> None:
     url = f"{bucket}/gen.pt"
-    fs, _ = storage.filesystem(url)
+    fs, _ = filesystem(url)
     atomic_save({"v": torch.zeros(4)}, url)
     first = the_object(url)
     atomic_save({"v": torch.ones(4)}, url)
@@ -100,7 +101,7 @@ def test_damaged_object_refused_nothing_changed(bucket: str, damage: str) -> Non
     net, _ = trained()
     url, other = f"{bucket}/damaged.pt", f"{bucket}/other.pt"
     fabric.save(url, {"model": net})
-    fs, _ = storage.filesystem(url)
+    fs, _ = filesystem(url)
     target = the_object(url)
     data = bytearray(fs.cat_file(target))
     if damage == "flip":
@@ -122,7 +123,7 @@ def test_damaged_object_refused_nothing_changed(bucket: str, damage: str) -> Non
 
 def test_checkpoint_without_commit_record_refused(bucket: str) -> None:
     url = f"{bucket}/norecord.pt"
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     atomic_save({"v": torch.ones(2)}, url)
     fs.rm(path)
     with pytest.raises(FileNotFoundError, match="no commit record"):
@@ -261,7 +262,7 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
     after = torch.load(out / "after-failure.pt", weights_only=True)
     assert after["step"] == 3
     assert_same(after, reference["sync"])
-    fs, path = storage.filesystem(f"{bucket}/run/sync")
+    fs, path = filesystem(f"{bucket}/run/sync")
     record = json.loads(fs.cat_file(path))
     assert record["kind"] == "sharded"
     data_files = [f"__{rank}_{number}.distcp" for rank in range(2) for number in range(4)]
@@ -328,7 +329,7 @@ def sharded_url_and_state(bucket: str, name: str = "sharded", seed: int = 5) -> 
 
 
 def sharded_object(url: str, name: str) -> str:
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     record = json.loads(fs.cat_file(path))
     return f"{storage.generation_prefix(path, record['generation'])}/{name}"
 
@@ -336,7 +337,7 @@ def sharded_object(url: str, name: str) -> str:
 @pytest.mark.parametrize("damage", ["flip", "truncate", "other_save", "no_record"])
 def test_damaged_sharded_checkpoint_on_the_bucket_refused_nothing_changed(bucket: str, damage: str) -> None:
     url, *_ = sharded_url_and_state(bucket)
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     target = sharded_object(url, "__0_0.distcp")
     data = bytearray(fs.cat_file(target))
     if damage == "flip":
@@ -379,12 +380,13 @@ def test_consolidate_a_sharded_checkpoint_from_a_bucket_to_a_file_and_to_the_buc
 _OUTSIDE_WRITER = """
 import sys, torch
 from fabric import Fabric
+from fabric._core.urls import filesystem
 from fabric.checkpoint.storage import objects as storage
 url, how = sys.argv[1], sys.argv[2]
 if how == "save":
     Fabric(accelerator="cpu", devices=1).save(url, {"model": {"w": torch.full((64,), 2.0)}})
 else:  # flip a byte of the checkpoint's data object in place
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     import json
     record = json.loads(fs.cat_file(path))
     target = storage.generation_prefix(path, record["generation"]) + "/" + storage.FILE_OBJECT

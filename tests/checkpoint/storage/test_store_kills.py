@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from fabric import Fabric
+from fabric._core.urls import filesystem
 from fabric.checkpoint.storage import objects as storage
 from support.environment import job_environment
 from support.loading import load_script, script_path
@@ -162,7 +163,7 @@ def test_sigkill_during_saves_to_a_bucket_leaves_the_last_complete_checkpoint(s3
     assert loaded >= 0, f"no save completed in {TRIES} tries (seed {seed})"
 
     # what the killed saves left (objects of generations no record names) goes with the next complete save
-    fs, path = storage.filesystem(url)
+    fs, path = filesystem(url)
     Fabric(accelerator="cpu", devices=1).save(url, payloads.payload(first, writer.numel_of(first)))
     fs.invalidate_cache()
     assert len(fs.ls(f"{path}{storage.DATA_SUFFIX}", detail=False)) == 1

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fabric import Fabric
+from fabric._core.urls import filesystem, is_url, local_or_url, redact
 from fabric.checkpoint.storage import locate
 from fabric.checkpoint.storage import objects as storage
 from fabric.plugins.io import CheckpointLoadError, TorchCheckpointIO, atomic_save, safe_load
@@ -66,16 +67,16 @@ def model() -> nn.Module:
      ("/tmp/x", False), ("relative/x.pt", False), ("C:\\x.pt", False), (Path("s3://b/k"), False)],
 )
 def test_what_is_a_url(path: object, expected: bool) -> None:
-    assert storage.is_url(path) is expected
+    assert is_url(path) is expected
 
 
 def test_file_url_is_the_local_path(tmp_path: Path) -> None:
-    assert storage.local_or_url(f"file://{tmp_path}/x.pt") == f"{tmp_path}/x.pt"
+    assert local_or_url(f"file://{tmp_path}/x.pt") == f"{tmp_path}/x.pt"
 
 
 def test_unknown_scheme_is_refused_naming_the_url_without_secrets() -> None:
     with pytest.raises(ValueError, match="unknown storage scheme 'nosuch://'") as info:
-        storage.local_or_url("nosuch://alice:s3cret@host/x.pt?token=abc")
+        local_or_url("nosuch://alice:s3cret@host/x.pt?token=abc")
     assert "s3cret" not in str(info.value) and "abc" not in str(info.value)
     assert "alice:***@host" in str(info.value)
 
@@ -88,7 +89,7 @@ def test_missing_library_names_the_extra() -> None:
     else:  # pragma: no cover
         pytest.skip("gcsfs is installed here")
     with pytest.raises(ImportError, match=r"pip install 'fabric-torch\[gcs\]'"):
-        storage.local_or_url("gs://bucket/x.pt")
+        local_or_url("gs://bucket/x.pt")
 
 
 def test_missing_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,12 +97,12 @@ def test_missing_fsspec_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setitem(sys.modules, "fsspec", None)
     with pytest.raises(ImportError, match=r"needs fsspec.*pip install 'fabric-torch\[s3\]'"):
-        storage.filesystem("s3://bucket/x.pt")
+        filesystem("s3://bucket/x.pt")
 
 
 def test_redact_keeps_what_names_the_object() -> None:
-    assert storage.redact("s3://bucket/run/ckpt.pt") == "s3://bucket/run/ckpt.pt"
-    assert storage.redact("https://user:pw@host/x?sig=1") == "https://user:***@host/x?***"
+    assert redact("s3://bucket/run/ckpt.pt") == "s3://bucket/run/ckpt.pt"
+    assert redact("https://user:pw@host/x?sig=1") == "https://user:***@host/x?***"
 
 
 # ---- every entry point: an unusable URL creates nothing locally ----------------------------------
@@ -201,7 +202,7 @@ def test_load_raw_and_async_save(empty_cwd: Path, memory_url: str) -> None:
 
 
 def store_of(url: str) -> tuple[object, str]:
-    return storage.filesystem(url)
+    return filesystem(url)
 
 
 def the_object(url: str) -> str:
