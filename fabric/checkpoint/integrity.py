@@ -1,17 +1,12 @@
 """Catching bit rot: every tensor torch writes carries a CRC-32, and we check it on the bytes that are loaded.
 
-``torch.save`` writes a zip archive whose records (the pickle and one record per storage) each carry the
-CRC-32 of their bytes in the archive's directory, but ``torch.load`` never checks them, so a flipped bit
-in tensor data loads silently. ``torch.distributed.checkpoint`` stores every tensor of a shard file the
-same way (one ``torch.save`` archive per item). Nothing is added at save time, so checkpoints written
-before this check existed, and by Lightning, are checked too; only the legacy (non-zip) format has
-nothing to check.
-
-The check costs one look at bytes that are in the CPU cache anyway: :class:`CheckedArchive` takes the CRC of
-each chunk right after reading it into the storage ``torch.load`` loads into. A damaged record raises before
-``torch.load`` returns, so a caller that loads into new storage and copies in afterwards changes nothing.
-Records read in any other pattern (none today) are read again before the load is accepted. The CRC is
-ISA-L's (``isal``, about 50 GB/s on data in the cache here) where installed, else zlib's (about 4 GB/s).
+The directory of a ``torch.save`` archive (a whole file, or one item of a shard file) holds the CRC-32 of
+every record, but ``torch.load`` never checks them, so a flipped bit loads silently. Nothing is added at
+save time, so older checkpoints and Lightning's are checked too (torch's legacy format has no CRCs). The
+check costs one look at bytes in the CPU cache anyway: :class:`CheckedArchive` takes each chunk's CRC right
+after reading it into the storage ``torch.load`` loads into, and a damaged record raises before ``torch.load``
+returns, so a caller that loads into new storage changes nothing. The CRC is ISA-L's (``isal``, about 50 GB/s
+on data in the cache here) where installed, else zlib's (about 4 GB/s).
 """
 
 from __future__ import annotations
@@ -26,22 +21,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 try:  # CRC-32 (the zip polynomial) with carry-less multiplication: ~10x zlib's
-    from isal.isal_zlib import crc32
+    from isal.isal_zlib import crc32 as crc32
 except ImportError:  # pragma: no cover - isal is a dependency; a platform without its wheel falls back
-    from zlib import crc32
+    from zlib import crc32 as crc32
 
 from fabric.checkpoint.errors import CorruptCheckpointError
-
-__all__ = [
-    "SMALL_ARCHIVE",
-    "CheckedArchive",
-    "CorruptCheckpointError",
-    "crc32",
-    "load_checked",
-    "mismatch_message",
-    "records_digest",
-    "say_once_nothing_to_check",
-]
 
 T = TypeVar("T")
 
@@ -60,7 +44,7 @@ _TAIL = 4096  # read at the archive's end to find its directory (torch's reader 
 _MAX_COMMENT = 0xFFFF
 SMALL_ARCHIVE = 64 * 2**10  # an archive up to this size is read whole, checked, then loaded from memory
 _NOTHING = memoryview(b"")
-_CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
+CRC_CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
 _DIGESTED = struct.Struct("<QL")  # a record's size and CRC-32, as records_digest folds them in
 
 
@@ -76,13 +60,9 @@ class _Record:
 
 
 class CheckedArchive:
-    """The ``torch.save`` archive at ``[start, start + length)`` of the open file ``fd`` (a whole file, or one
-    item of a shard file), as the read-only binary file ``torch.load`` reads, checking each record's CRC-32
-    as its bytes pass (see the module docstring). ``where`` names it in errors.
-
-    The archive's directory is read when it is made (a damaged one raises :class:`CorruptCheckpointError`).
-    After ``torch.load``, :meth:`finish` checks whatever records were not checked on the way.
-    """
+    """The ``torch.save`` archive at ``[start, start + length)`` of the open file ``fd`` as the binary file
+    ``torch.load`` reads, each record's CRC-32 checked as its bytes pass; ``where`` names it in errors. Its
+    directory is read (a damaged one refused) when it is made; :meth:`finish` checks what was not on the way."""
 
     def __init__(self, fd: int, start: int, length: int, where: str) -> None:
         self._fd, self._start, self._length, self._where = fd, start, length, where
@@ -101,11 +81,9 @@ class CheckedArchive:
         self._tail_from = self._cache_records(self._tail, self._tail_start, from_end=True)  # and inside [tail_start, length)
 
     def _cache_records(self, cache: bytes, at: int, from_end: bool = False) -> int:
-        """Check the records that ``cache`` (the archive's bytes from ``at``) holds whole: the small records
-        before the first large one (at the start), or all records after it (at the end: the last few bytes
-        hold the directory). Returns where the part of the archive served from ``cache`` ends (at the start)
-        or starts (at the end): torch's many small reads there cost no system call and no accounting, and
-        hand out only bytes checked here."""
+        """Check the records ``cache`` (the archive's bytes from ``at``) holds whole: those before the first
+        large one, or (``from_end``) every one after it. Returns where the part served from ``cache`` ends (or
+        starts): torch's many small reads there cost no system call and hand out only bytes checked here."""
         end = at + len(cache)
         records = [record for record in self._records if record.header >= at] if from_end else self._records
         for record in records:
@@ -119,13 +97,14 @@ class CheckedArchive:
             return records[0].header if records else self._directory_start
         return end
 
-    # ---- the file interface torch.load uses ------------------------------------------------------
-
-    def readable(self) -> bool:
+    def readable(self) -> bool:  # the file interface, as any version of torch.load may ask it
         return True
 
     def seekable(self) -> bool:
         return True
+
+    def close(self) -> None:
+        pass
 
     def tell(self) -> int:
         return self._pos
@@ -166,7 +145,7 @@ class CheckedArchive:
         else:
             done = 0
             while done < wanted:
-                chunk = view[done : done + _CHUNK] if wanted - done > _CHUNK or done or wanted < len(view) else view
+                chunk = view[done : done + CRC_CHUNK] if wanted - done > CRC_CHUNK or done or wanted < len(view) else view
                 count = os.preadv(self._fd, [chunk], self._start + position + done)
                 if count <= 0:
                     break
@@ -181,20 +160,13 @@ class CheckedArchive:
             self._distrust(position, min(end, self._tail_from))
         return self._tail[position - self._tail_start : end - self._tail_start]
 
-    def close(self) -> None:
-        pass
-
-    # ---- whole records, by name -------------------------------------------------------------------
-
     def names(self) -> list[str]:
-        """The archive's record names, in file order."""
         return [record.name for record in self._records]
 
     def record_size(self, name: str) -> int:
         return self._record(name).size
 
     def read_record(self, name: str) -> bytes:
-        """The bytes of record ``name`` (checked as they pass, as every read is)."""
         record = self._located(self._record(name))
         self.seek(record.data)
         data = self.read(record.size)
@@ -239,21 +211,16 @@ class CheckedArchive:
         self.finish()
         return value
 
-    # ---- the check --------------------------------------------------------------------------------
-
     def finish(self) -> None:
         """Check every record not checked as it passed (read again from the file); raise on the first damage."""
         if self.error is not None:
             raise self.error
         buffer: bytearray | None = None
         for record in self._records:
-            if record.verified:
-                continue
-            self._located(record)
-            if record.verified:  # an empty record
+            if record.verified or self._located(record).verified:  # (an empty record is verified once located)
                 continue
             if buffer is None:
-                buffer = bytearray(min(_CHUNK, max(record.size for record in self._records)))
+                buffer = bytearray(min(CRC_CHUNK, max(record.size for record in self._records)))
             view = memoryview(buffer)
             left, crc, offset = record.size, 0, self._start + record.data
             while left:
@@ -287,9 +254,8 @@ class CheckedArchive:
             position, data = position + left, data[left:]
 
     def _other_read(self, position: int, data: memoryview) -> tuple[memoryview, int]:
-        """A read that is not a record's bytes in order: a local header (learn where its record's bytes start),
-        the directory, or a part of a record read out of order (to be checked again by ``finish``). Returns
-        what of ``data`` is left to account for: the bytes from the start of a record, if they follow."""
+        """A read other than a record's bytes in order (a local header, the directory, part of a record read out of
+        order: checked again by ``finish``). Returns what of ``data`` is left: a record's bytes, if they follow."""
         self._current = None
         end = position + len(data)
         self._distrust(position, end)
@@ -303,8 +269,7 @@ class CheckedArchive:
         return data[starting.data - position :], starting.data
 
     def _distrust(self, position: int, end: int) -> None:
-        """Bytes ``[position, end)`` were read other than a record from its start: a checked record they touch
-        is checked again by ``finish``."""
+        """Bytes ``[position, end)`` were read out of order: a checked record they touch is checked again by ``finish``."""
         if not self._checked:
             return
         records = self._records
@@ -338,14 +303,9 @@ class CheckedArchive:
 
 
 def load_checked(load: Callable[[Any], T], fd: int, start: int, length: int, where: str) -> T:
-    """``load(file)`` (``torch.load`` of a binary file) over the archive at ``[start, start + length)`` of
-    ``fd``, its every record's CRC checked; a damaged archive raises :class:`CorruptCheckpointError`, whatever
-    error the damage made inside ``load``.
-
-    An archive of up to 64 KiB (an optimizer step, a bias) is read whole into memory, checked there, and
-    loaded from those bytes: cheaper than the many small reads ``torch.load`` makes of a file. A larger one
-    is loaded through a :class:`CheckedArchive`.
-    """
+    """``load(file)`` (``torch.load``) of the archive at ``[start, start + length)`` of ``fd``, as
+    :meth:`CheckedArchive.load_with`. One of up to 64 KiB (an optimizer step, a bias) is read whole and checked
+    in memory instead: cheaper than the many small reads ``torch.load`` makes of a file."""
     if length <= SMALL_ARCHIVE:
         image = os.pread(fd, length, start)
         if len(image) < length:
@@ -384,10 +344,9 @@ def mismatch_message(name: str, size: int, where: str) -> str:
 
 
 def records_digest(fd: int, archives: list[tuple[int, int]], where: str) -> int:
-    """A CRC-32 over the size and CRC-32 of every record of the archives at ``archives`` (``(start, length)``
-    pairs, in this order) of the open file ``fd``, read from the archives' directories alone (a few KiB at the
-    end of each, no pass over the data): it changes when any record's bytes do, so it binds a data file to the
-    save that recorded it. A damaged directory raises :class:`CorruptCheckpointError` naming ``where``."""
+    """A CRC-32 over the size and CRC-32 of every record of the archives ``archives`` (``(start, length)``, in
+    order) of ``fd``, read from their directories alone (no pass over the data): it changes when any record's
+    bytes do, so it binds a data file to the save that recorded it."""
     digest = 0
     for start, length in archives:
         records, _, _ = _read_directory(_file_reader(fd, start), length, where)
@@ -402,16 +361,7 @@ def warn_once(key: str, message: str) -> None:
     """Warn with ``message`` the first time ``key`` comes up in this process (at the caller's caller)."""
     if key not in _said:
         _said.add(key)
-        warnings.warn(message, stacklevel=4)
-
-
-def say_once_nothing_to_check(path: str | os.PathLike) -> None:
-    """Warn, once per process, that a legacy-format file carries no checksums."""
-    warn_once(
-        "legacy format",
-        f"{str(path)!r} is in torch's legacy (non-zip) format, which stores no checksums: its bytes cannot be"
-        " checked for damage (said once per process)",
-    )
+        warnings.warn(message, stacklevel=3)
 
 
 def _file_reader(fd: int, start: int) -> Callable[[int, int], bytes]:
@@ -419,9 +369,8 @@ def _file_reader(fd: int, start: int) -> Callable[[int, int], bytes]:
 
 
 def _read_directory(read_at: Callable[[int, int], bytes], length: int, where: str) -> tuple[list[_Record], int, bytes]:
-    """The records of the archive of ``length`` bytes that ``read_at(offset, count)`` reads, in file order,
-    where its directory starts, and the archive's last bytes (at least 4 KiB, or all), read to find it.
-    Only what torch writes is accepted: stored (uncompressed), unencrypted records."""
+    """The records (in file order) of the archive of ``length`` bytes that ``read_at(offset, count)`` reads, where
+    its directory starts, and its last bytes, read to find it. Only what torch writes: stored, unencrypted records."""
 
     def damaged(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where} is damaged: its archive directory cannot be read ({why})")

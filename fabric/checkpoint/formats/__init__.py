@@ -1,4 +1,3 @@
-"""Checkpoint formats, one module each: what the bytes of a checkpoint are and how they are read back
-(docs/architecture.md, "Checkpoints", lists them). Where the bytes go (a local disk or a store) is the storage
-layer's business (``fabric.checkpoint.storage``).
+"""Checkpoint formats, one module each (docs/architecture.md, "Checkpoints"): what the bytes of a checkpoint
+are and how they are read back; where they go (a local disk or a store) is ``fabric.checkpoint.storage``'s.
 """

@@ -1,23 +1,14 @@
-"""A checked single-file load whose tensors go straight to a GPU: read, CRC and host-to-device copy overlap.
+"""A checked single-file load whose tensors go straight to a GPU: read, CRC and host-to-device copy overlap
+(docs/architecture.md, "A single-file checkpoint's life"), where ``load_state_dict`` copied each tensor from
+new pageable CPU storage, one synchronous copy after another. A damaged record raises before ``torch.load``
+returns, the copies already made gone into staging that is dropped.
 
-Without it, a load into objects on a GPU read the whole file into new CPU storage, then ``load_state_dict``
-copied each tensor to the device from pageable memory, one synchronous copy after another. Here the bytes of
-each storage saved on an accelerator pass through a small ring of pinned host buffers (:class:`RingReader`,
-scheduled as docs/architecture.md tells in "A single-file checkpoint's life") into new device storage: nothing
-the user holds changes while the file is read, and a damaged record raises
-:class:`~fabric.checkpoint.errors.CorruptCheckpointError` naming it before ``torch.load`` returns, the copies
-already made gone into staging that is dropped.
-
-How it rides on ``torch.load`` (which still unpickles the file, ``weights_only`` as asked): torch's zip reader
-reads a storage's record whole, with one ``readinto`` at the record's first byte, into CPU storage it has just
-allocated, then hands that storage to ``map_location``. :class:`_StagingArchive` notes such a read of a storage
-record instead of making it (the CPU storage is never touched, so it costs no page faults), and the
-``map_location`` callable reads the noted record through the ring into device storage it returns instead. A
-read torch makes in any other pattern is served as before (the callable then copies the read storage over);
-anything unexpected (``torch.load`` reading a noted record for another purpose, a file torch cannot load with
-a callable ``map_location``, no GPU memory for the staging) falls back to the CPU path.
-
-:class:`RingReader` knows nothing of CUDA: a :class:`Staging` supplies the buffers, the copies and the waits.
+``torch.load`` still unpickles the file (``weights_only`` as asked): its zip reader reads a storage's record
+whole, with one ``readinto`` at the record's first byte, into CPU storage it has just allocated, then hands
+that storage to ``map_location``. :class:`_StagingArchive` notes such a read instead of making it (the CPU
+storage is never touched: no page faults), and the ``map_location`` callable reads the noted record through
+the ring into the device storage it returns. Anything unexpected (a noted record read for another purpose,
+torch refusing a callable ``map_location``, no GPU memory) falls back to the CPU path.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ import torch
 from torch import Tensor
 
 from fabric.checkpoint.errors import CorruptCheckpointError
-from fabric.checkpoint.integrity import CheckedArchive, crc32, load_checked, mismatch_message
+from fabric.checkpoint.integrity import CRC_CHUNK, CheckedArchive, crc32, load_checked, mismatch_message
 
 __all__ = ["BUFFERS", "BUFFER_BYTES", "CudaStaging", "HostStaging", "RingReader", "Staging", "load_staged", "staging_for"]
 
@@ -43,41 +34,30 @@ log = logging.getLogger(__name__)
 
 BUFFERS = 4  # pinned host buffers in the ring
 BUFFER_BYTES = 8 * 2**20  # each: one host-to-device copy moves up to this much; 32 MiB pinned in all
-_CRC_CHUNK = 512 * 2**10  # read, then CRC, this much at a time: the chunk is still in the core's L2 cache
 _STORAGE_RECORD = re.compile(r"(?:^|/)data/[^/]+$")  # "archive/data/0"; not "archive/data.pkl" nor "archive/.data/..."
 
 
 class Staging(Protocol):
-    """The device's part of a staged load: host buffers, new device storage, and copies that finish later."""
+    """The device's part of a staged load (:class:`RingReader` knows nothing of CUDA): host buffers (1-D uint8,
+    pinned for a GPU), new device storage, and copies that finish later."""
 
-    def buffers(self) -> Sequence[Tensor]:
-        """The ring's host buffers: 1-D uint8 CPU tensors (pinned for a GPU)."""
-        ...
+    def buffers(self) -> Sequence[Tensor]: ...
 
     def takes(self, location: str) -> bool:
         """Whether a storage saved at ``location`` ("cuda:0", "cpu", ...) is read into device storage."""
-        ...
 
-    def new_storage(self, nbytes: int) -> torch.UntypedStorage:
-        """New device storage of ``nbytes`` (the staging one record is copied into)."""
-        ...
+    def new_storage(self, nbytes: int) -> torch.UntypedStorage: ...
 
     def copy(self, source: Tensor, destination: Tensor) -> Any:
-        """Start copying ``source`` (a part of a buffer) into ``destination`` (uint8, the same length); return a
-        handle for :meth:`wait`. ``source`` must not be written until then."""
-        ...
+        """Start copying ``source`` (part of a buffer: not written again until :meth:`wait`) into ``destination``."""
 
-    def wait(self, handle: Any) -> None:
-        """Block until the copy of ``handle`` is done."""
-        ...
+    def wait(self, handle: Any) -> None: ...
 
     def to_device(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
         """A device copy of ``storage`` (CPU storage torch has already read and checked); done when it returns."""
-        ...
 
     def finish(self) -> None:
         """Every copy done (after the ring drained): the staging may be used on any stream."""
-        ...
 
 
 def byte_view(tensor: Tensor) -> memoryview:
@@ -92,16 +72,10 @@ def as_bytes(storage: torch.UntypedStorage) -> Tensor:
 
 
 class RingReader:
-    """Reads records of a file into a ring of host buffers, takes the CRC-32 of every byte as it arrives, and
-    hands each filled part of a buffer to ``staging.copy`` towards its destination.
-
-    ``read_at(view, offset)`` reads the file's bytes at ``offset`` into ``view`` and returns how many it read
-    (0 at the end). A record larger than a buffer goes in buffer-sized parts; small records share a buffer.
-    A buffer is read into again only after ``staging.wait`` returned for every copy out of it, so reading
-    the next part overlaps the copies of the last ones. A record whose CRC differs, or that the file ends
-    inside, raises :class:`CorruptCheckpointError` naming it, once its copies are done (its destination then
-    holds unchecked bytes: the caller drops it).
-    """
+    """Reads records of a file (``read_at(view, offset)``: bytes read, 0 at the end) into a ring of host buffers,
+    taking the CRC-32 of every byte as it arrives, and hands each filled part to ``staging.copy``. A buffer is read
+    into again only once its copies are done, so reading overlaps the copies of the last parts. A damaged record
+    raises once its copies are done (its destination then holds unchecked bytes: the caller drops it)."""
 
     def __init__(
         self,
@@ -109,7 +83,7 @@ class RingReader:
         staging: Staging,
         where: str,
         *,
-        crc_chunk: int = _CRC_CHUNK,
+        crc_chunk: int = CRC_CHUNK,
         crc: Callable[[Any, int], int] = crc32,
     ) -> None:
         self._read_at, self._staging, self._where = read_at, staging, where
@@ -123,8 +97,7 @@ class RingReader:
         self._index, self._fill = 0, 0  # the buffer being filled, and how far
 
     def read(self, name: str, offset: int, size: int, expected_crc: int, destination: Tensor) -> None:
-        """Read record ``name`` (``size`` bytes at ``offset`` in the file) into ``destination`` (uint8, ``size``
-        long) through the ring; raise :class:`CorruptCheckpointError` if its bytes do not match ``expected_crc``."""
+        """Read record ``name`` (``size`` bytes at ``offset``) through the ring into ``destination`` (uint8, ``size`` long)."""
         if destination.dtype != torch.uint8 or destination.numel() != size:
             raise ValueError(f"the destination of record {name!r} must be {size} uint8 elements, got {destination.numel()} {destination.dtype}")
         try:
@@ -150,8 +123,7 @@ class RingReader:
             raise
 
     def _claim(self, length: int) -> tuple[int, int]:
-        """A place for ``length`` bytes (at most a buffer): the rest of the current buffer, else the next buffer,
-        once every copy out of it is done."""
+        """A place for ``length`` bytes (at most a buffer): the rest of this buffer, else the next, once its copies are done."""
         if self._fill + length > self._size:
             self._index = (self._index + 1) % len(self._buffers)
             self._fill = 0
@@ -167,7 +139,6 @@ class RingReader:
             pending.pop(0)
 
     def drain(self) -> None:
-        """Wait for every copy out of every buffer."""
         for index in range(len(self._buffers)):
             self._wait(index)
 
@@ -202,11 +173,8 @@ class HostStaging:
 
 class CudaStaging:
     """:class:`Staging` for a CUDA ``device``: pinned buffers (torch's caching host allocator keeps them for the
-    next load), staging allocated on the current stream, copies on a side stream, one event per copy.
-
-    A storage saved on an accelerator goes to ``device``; one saved on the CPU stays there (an optimizer's
-    ``step``, which torch keeps on the CPU unless the optimizer is capturable or fused).
-    """
+    next load), staging allocated on the current stream, copies on a side stream, one event per copy. A storage
+    saved on the CPU stays there (an optimizer's ``step``, which torch keeps on the CPU unless capturable or fused)."""
 
     def __init__(self, device: torch.device, buffers: int = BUFFERS, buffer_bytes: int = BUFFER_BYTES) -> None:
         self.device = device
@@ -263,7 +231,7 @@ class _Fallback(Exception):
 
 class _StagingArchive(CheckedArchive):
     """A :class:`CheckedArchive` that notes a whole read of a storage record instead of making it (see the
-    module docstring), for the ``map_location`` callable to read into device storage."""
+    module docstring). Any other read after one was noted, not taken, is unexpected: :class:`_Fallback`."""
 
     def __init__(self, fd: int, start: int, length: int, where: str) -> None:
         super().__init__(fd, start, length, where)
@@ -274,14 +242,12 @@ class _StagingArchive(CheckedArchive):
     def readinto(self, buffer: Any) -> int:
         if self.noting:
             record = self._by_data.get(self._pos)
-            if record is not None and not record.verified and record.name in self._storage_records:
-                view = memoryview(buffer)
-                if view.nbytes == record.size:
-                    if self._noted is not None:
-                        raise _Fallback(f"storage records {self._noted.name!r} and {record.name!r} were read one after the other")
-                    self._noted = record
-                    self._pos += record.size
-                    return record.size
+            if record is not None and not record.verified and record.name in self._storage_records and memoryview(buffer).nbytes == record.size:
+                if self._noted is not None:
+                    raise _Fallback(f"storage records {self._noted.name!r} and {record.name!r} were read one after the other")
+                self._noted = record
+                self._pos += record.size
+                return record.size
         if self._noted is not None:
             raise _Fallback(f"storage record {self._noted.name!r} was read and not handed to map_location")
         return super().readinto(buffer)
@@ -315,8 +281,7 @@ class _StagingArchive(CheckedArchive):
 def load_staged(load: Callable[[Any, Any], T], fd: int, length: int, where: str, staging: Staging) -> T:
     """``load(file, map_location)`` (``torch.load``) of the archive of ``length`` bytes in ``fd``, every record's
     CRC checked, each storage ``staging.takes`` read into new device storage through a :class:`RingReader`;
-    the others in CPU storage. Raises :class:`CorruptCheckpointError` for a damaged file. Where the staged
-    read cannot be made (see the module docstring) the file is loaded as ``load_checked`` does, on the CPU."""
+    the others, and the whole file where the staged read cannot be made, as ``load_checked`` does."""
     if sys.byteorder != "little":  # torch swaps a storage's bytes before map_location sees it
         return load_checked(lambda file: load(file, "cpu"), fd, 0, length, where)
     archive = _StagingArchive(fd, 0, length, where)

@@ -1,7 +1,5 @@
-"""The single-file format: a ``torch.save`` archive, read safely.
-
-Written atomically by the storage layer (``fabric.checkpoint.storage``). Reading uses ``weights_only=True``
-unless the caller opts out, so a file carrying a pickle payload cannot run code.
+"""The single-file format: a ``torch.save`` archive, written atomically by the storage layer and read with
+``weights_only=True`` unless the caller opts out, so a file carrying a pickle payload cannot run code.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Any
 import torch
 
 from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError, UnsafeCheckpointError, is_pickling_error
-from fabric.checkpoint.integrity import SMALL_ARCHIVE, load_checked, say_once_nothing_to_check
+from fabric.checkpoint.integrity import SMALL_ARCHIVE, load_checked, warn_once
 from fabric.checkpoint.storage import Store, locate
 
 
@@ -44,19 +42,15 @@ def safe_load(
     path: str | Path | Store, map_location: Any = "cpu", weights_only: bool | None = None, device: torch.device | None = None
 ) -> Any:
     """``torch.load`` with ``weights_only=True`` unless explicitly disabled, every record's CRC-32 checked as it
-    is read (``integrity.load_checked``), and errors that name the file.
-
-    With ``device`` (a GPU), storages saved on an accelerator are read into new storage on ``device``
-    through pinned buffers, read, CRC and copy overlapping (``device_load.load_staged``), and the others as
-    ``map_location`` says; on a device without a staged path (the CPU) ``device`` changes nothing.
-
-    On a store (``s3://...``) the object is read through its commit record: its size and CRC-32 are checked
-    against the record before it is loaded by the same checked path."""
+    is read (``integrity.load_checked``), and errors that name the file; on a store (``s3://...``) the object's
+    size and CRC-32 are first checked against its commit record. With ``device`` (a GPU), storages saved on an
+    accelerator are read straight into new storage there (``device_load.load_staged``), the others as
+    ``map_location`` says; on a device without a staged path (the CPU) ``device`` changes nothing."""
     safe = True if weights_only is None else bool(weights_only)
-    return locate(path).read_file(lambda fd, size, shown: _load_fd(fd, size, shown, map_location, safe, device))
+    return locate(path).read_file(lambda fd, size, shown: _load(fd, size, shown, map_location, safe, device))
 
 
-def _load_fd(fd: int, size: int, where: str, map_location: Any, safe: bool, device: torch.device | None) -> Any:
+def _load(fd: int, size: int, where: str, map_location: Any, safe: bool, device: torch.device | None) -> Any:
     """A checkpoint held in the open file ``fd``, named ``where`` in messages."""
     if size == 0:
         raise CheckpointLoadError(f"Checkpoint file {where!r} is empty (0 bytes)")
@@ -66,16 +60,17 @@ def _load_fd(fd: int, size: int, where: str, map_location: Any, safe: bool, devi
             f"{where!r} is not a checkpoint file (another kind of file, or a corrupt one): it starts with"
             f" {head!r}, while torch.save writes a zip archive (b'PK...') or a pickle (b'\\x80...')"
         ) from None
-    return _load(fd, size, where, map_location, safe, legacy=head != _CHECKPOINT_MAGIC[0], device=device)
 
-
-def _load(fd: int, size: int, path: str | Path, map_location: Any, safe: bool, legacy: bool, device: torch.device | None = None) -> Any:
     def load(file: Any, where_to: Any = map_location) -> Any:
         return torch.load(file, map_location=where_to, weights_only=safe)
 
     try:
-        if legacy:  # torch's legacy format: a pickle, with no checksums to check
-            say_once_nothing_to_check(path)
+        if head != _CHECKPOINT_MAGIC[0]:  # torch's legacy format: a pickle, with no checksums to check
+            warn_once(
+                "legacy format",
+                f"{where!r} is in torch's legacy (non-zip) format, which stores no checksums: its bytes cannot be"
+                " checked for damage (said once per process)",
+            )
             with open(fd, "rb", closefd=False) as file:
                 return load(file)
         if device is not None and size > SMALL_ARCHIVE and map_location == "cpu":
@@ -83,29 +78,29 @@ def _load(fd: int, size: int, path: str | Path, map_location: Any, safe: bool, l
 
             staging = staging_for(device)
             if staging is not None:
-                return load_staged(load, fd, size, repr(str(path)), staging)
-        return load_checked(load, fd, 0, size, repr(str(path)))
+                return load_staged(load, fd, size, repr(where), staging)
+        return load_checked(load, fd, 0, size, repr(where))
     except CorruptCheckpointError as err:
         raise CheckpointLoadError(str(err)) from None
     except pickle.UnpicklingError as err:
         reason = _weights_only_reason(err)
         if safe and reason is not None and not reason.startswith("Unsupported operand"):
             raise UnsafeCheckpointError(
-                f"Checkpoint {str(path)!r} holds objects that can only be restored by running pickled code,"
+                f"Checkpoint {where!r} holds objects that can only be restored by running pickled code,"
                 " which is refused by default. If you trust this file, load it with"
                 f" `fabric.load(..., weights_only=False)`. Details: {reason}"
             ) from None
         # an unknown pickle opcode means bytes that are no pickle at all: garbage, not a payload
-        raise CheckpointLoadError(f"Checkpoint {str(path)!r} is corrupt: {reason or _first_line(err)}") from None
+        raise CheckpointLoadError(f"Checkpoint {where!r} is corrupt: {reason or _first_line(err)}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as err:
         raise CheckpointLoadError(
-            f"Checkpoint {str(path)!r} could not be read (truncated or corrupt?): {_first_line(err)}"
+            f"Checkpoint {where!r} could not be read (truncated or corrupt?): {_first_line(err)}"
         ) from None
     except Exception as err:
         # damaged bytes can derail the unpickler anywhere (IndexError, KeyError, TypeError, ...):
         # still the file's fault, reported as such rather than as a trace from inside torch
         raise CheckpointLoadError(
-            f"Checkpoint {str(path)!r} is corrupt: {type(err).__name__}: {_first_line(err)}"
+            f"Checkpoint {where!r} is corrupt: {type(err).__name__}: {_first_line(err)}"
         ) from None
 
 

@@ -1,10 +1,6 @@
-"""Full checkpoints of sharded objects: one file from rank 0 that plain ``torch.load`` reads.
-
-Saving gathers each tensor in turn and moves it to CPU memory on rank 0 only
-(``full_state_dict=True, cpu_offload=True``), so rank 0 holds one full copy in CPU memory beside its
-own shard, and the other ranks none. Optimizer states are stored in ``Optimizer.state_dict()``'s
-numbered form, so the file loads into a plain model and optimizer too. Loading a full file into a
-sharded model hands each rank its part of every tensor.
+"""Full checkpoints of sharded objects: one file from rank 0 that plain ``torch.load`` reads (optimizers in the
+numbered form), loaded back into any layout. Saving gathers each tensor in turn into rank 0's CPU memory alone
+(docs/architecture.md, "A sharded checkpoint's life").
 """
 
 from __future__ import annotations
@@ -34,11 +30,9 @@ def save_full(
     filter: dict[str, Callable[[str, Any], bool]] | None = None,
     checkpoint_io: CheckpointIO | None = None,
 ) -> None:
-    """Gather ``state`` and write it from rank 0 as one atomic, ``torch.load``-able file; a collective.
-
-    The file is written through ``checkpoint_io`` (a user's CheckpointIO plugin); a sharded folder at
-    ``path`` is replaced by the file with the same renames that publish folders.
-    """
+    """Gather ``state`` and write it from rank 0 as one atomic, ``torch.load``-able file; a collective. The file
+    goes through ``checkpoint_io`` (a user's plugin), but a sharded folder at ``path`` is replaced by the file
+    with the renames that publish folders."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
@@ -74,8 +68,8 @@ def load_full(
 
 
 class FullFile(WholeFile):
-    """A full checkpoint file as an ``EntrySource``: whole tensors, handed to sharded objects (each rank
-    keeps its part) through torch's distributed state-dict API."""
+    """A full checkpoint file as an ``EntrySource``: whole tensors, handed to sharded objects (each rank keeps its
+    part) through torch's distributed state-dict API. ``read_file`` reads it (default: the file at ``path``, safely)."""
 
     def __init__(
         self,
@@ -84,7 +78,6 @@ class FullFile(WholeFile):
         weights_only: bool | None,
         read_file: Callable[[], Any] | None = None,
     ) -> None:
-        """``read_file``: what reads the whole checkpoint (default: the file at ``path``, safely)."""
         store = locate(path)
         super().__init__(store.shown, read_file or (lambda: safe_load(store, map_location="cpu", weights_only=weights_only)))
         self._state = state

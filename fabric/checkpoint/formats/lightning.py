@@ -1,14 +1,9 @@
-"""Sharded checkpoint folders written by Lightning Fabric, read by ``fabric.load`` and ``consolidate``.
+"""Sharded checkpoint folders written by Lightning Fabric: state dicts flattened by torch's default planner
+(``optimizer.state.<name>.exp_avg``, ...) and ``meta.pt`` with every other entry, no ``fabric-objects.pt``.
 
-Lightning's sharded save (``FSDPStrategy`` / ``ModelParallelStrategy``, ``state_dict_type="sharded"``)
-writes ``torch.distributed.checkpoint`` files holding the modules' and optimizers' state dicts (flattened
-by torch's default planner: ``model.layers.0.wq.weight``, ``optimizer.state.<name>.exp_avg``, ...) and
-``meta.pt`` with every other entry; it has no ``fabric-objects.pt``. Such a folder is read whole into
-this process, every tensor in full (like Lightning's own ``consolidate_checkpoint``), with our folders'
-reading checks (the allow-listed index, every data file's size, every item's CRC-32, ``weights_only``
-unless the caller opts out), then loaded as a full file is (``full.FullFile``): each rank keeps its part
-of sharded objects. Every rank holds the whole checkpoint for a moment: to save that memory, consolidate
-once and re-save with fabric.
+Such a folder is read whole into this process, every tensor in full (as Lightning's ``consolidate_checkpoint``
+does), with our folders' reading checks, then loaded as a full file is (``full.FullFile``). Every rank holds the
+whole checkpoint for a moment: to save that memory, consolidate once and re-save with fabric.
 """
 
 from __future__ import annotations
@@ -39,12 +34,10 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
     meta = safe_load(folder / LIGHTNING_META_FILE, map_location="cpu", weights_only=weights_only)
     if not isinstance(meta, dict):
         raise CheckpointLoadError(f"{str(folder / LIGHTNING_META_FILE)!r} holds a {type(meta).__name__}, not a dict of entries")
-    flat: dict[str, Any] = {}
-    for key, saved in index.state_dict_metadata.items():
-        if isinstance(saved, BytesStorageMetadata):
-            flat[key] = None  # filled by the planner's load_bytes
-        else:
-            flat[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    flat: dict[str, Any] = {  # None: filled by the planner's load_bytes
+        key: None if isinstance(saved, BytesStorageMetadata) else torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+        for key, saved in index.state_dict_metadata.items()
+    }
     planner = _SafeBytesPlanner(weights_only)
     try:
         with quiet_single_process():

@@ -1,11 +1,9 @@
 """Reading a distributed checkpoint folder without running pickled code.
 
-``torch.distributed.checkpoint`` stores its index (``.metadata``) with plain ``pickle``, and a file
-planted there could run any code on load. Our reader unpickles it with an allow-list: the index's
-own record classes, torch dtypes/layouts/sizes and paths, nothing callable beyond those. Non-tensor
-values never go through the folder's data files (fabric keeps them in a ``weights_only`` file), so
-tensors are all this reader hands out. How each item is read, once and its CRCs checked on the way:
-docs/architecture.md, "A sharded checkpoint's life".
+``torch.distributed.checkpoint`` stores its index (``.metadata``) with plain ``pickle``, and a file planted
+there could run any code on load: our reader unpickles it with an allow-list (the index's own record classes,
+torch dtypes, layouts, sizes and paths). Non-tensor values never go through the folder's data files (fabric
+keeps them in a ``weights_only`` file), so tensors are all this reader hands out (how it reads them: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from fabric.checkpoint.formats.tensor_record import read_into
 from fabric.checkpoint.integrity import SMALL_ARCHIVE, CheckedArchive, crc32, load_checked, records_digest, warn_once
 
 # the files of a sharded checkpoint folder, by name
-INDEX_FILE = METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
+INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
 OBJECTS_FILE = "fabric-objects.pt"  # fabric's file beside the shards: every entry but their tensors, and the index's CRC
 LIGHTNING_META_FILE = "meta.pt"  # Lightning Fabric's file of non-tensor entries beside the shards (no OBJECTS_FILE)
 
@@ -64,14 +62,10 @@ Fetch = Callable[[dict[str, list[tuple[int, int, str]]]], None]
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose index is unpickled with an allow-list (see the module docstring), and which
-    checks the CRC-32 of every item as it reads it (``integrity``), naming the file and the entry.
-
-    ``staging``: tensors (plain, or the local tensors of DTensors) that the caller made for this load alone;
-    an item that fills one of them whole hands it its loaded storage (``Tensor.set_``) instead of a copy.
-    ``fetch``: called before anything is read with the items this rank's plan reads, by data file
-    (``{name: [(offset, length, entry), ...]}``), to bring them into the folder first (a checkpoint on a store).
-    """
+    """``FileSystemReader`` with the index's allow-list, checking the CRC-32 of every item as it reads it.
+    ``staging``: tensors (plain, or DTensors' local tensors) made for this load alone, so an item that fills one
+    whole may hand it its loaded storage instead of a copy. ``fetch``: called first with the items this rank's
+    plan reads (``{file: [(offset, length, entry), ...]}``), to bring them into the folder (a store's checkpoint)."""
 
     def __init__(self, path: str | Path, staging: Iterable[Tensor] = (), fetch: Fetch | None = None) -> None:
         super().__init__(path)
@@ -161,12 +155,12 @@ def check_index_crc(folder: Path, expected: int | None) -> None:
     if expected is None:
         return
     try:
-        actual = crc32((folder / METADATA_FILE).read_bytes())
+        actual = crc32((folder / INDEX_FILE).read_bytes())
     except FileNotFoundError:
-        raise CheckpointLoadError(f"{str(folder)!r} is not a complete sharded checkpoint: it has no {METADATA_FILE} file") from None
+        raise CheckpointLoadError(f"{str(folder)!r} is not a complete sharded checkpoint: it has no {INDEX_FILE} file") from None
     if actual != expected:
         raise CheckpointLoadError(
-            f"Checkpoint {str(folder)!r} is damaged or mixed: its index {METADATA_FILE!r} does not match the checksum"
+            f"Checkpoint {str(folder)!r} is damaged or mixed: its index {INDEX_FILE!r} does not match the checksum"
             f" {OBJECTS_FILE!r} recorded for it (damaged bytes, or one of the two files is from another save)"
         )
 
@@ -184,8 +178,7 @@ def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] |
             needed[info.relative_path] = (end, index.fqn)
     for name, (end, entry) in sorted(needed.items()):
         try:
-            info = (folder / name).stat()
-            size, mode = info.st_size, info.st_mode
+            found = (folder / name).stat()
         except FileNotFoundError:
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} is incomplete: its data file {name!r} (holding {entry!r} among others) is missing"
@@ -194,13 +187,13 @@ def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] |
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} is damaged: its data file {name!r} cannot be read: {err.strerror}"
             ) from None
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(found.st_mode):
             raise CheckpointLoadError(
                 f"Checkpoint {str(folder)!r} is damaged: its data file {name!r} is not a regular file"
             )
-        if size < end:
+        if found.st_size < end:
             raise CheckpointLoadError(
-                f"Checkpoint {str(folder)!r} is damaged: {name!r} has {size} bytes, but the index places data up to"
+                f"Checkpoint {str(folder)!r} is damaged: {name!r} has {found.st_size} bytes, but the index places data up to"
                 f" byte {end} there (entry {entry!r}): the file was truncated"
                 + (
                     f", or it does not belong to this checkpoint's save, which wrote {written[name]} bytes"
@@ -211,14 +204,8 @@ def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] |
 
 
 def data_files_of(folder: Path, metadata: Metadata, only: set[str] | None = None) -> dict[str, dict[str, int]]:
-    """Each data file the index names: ``{"bytes": its size, "records_crc32": a digest of its records' CRC-32s}``.
-
-    The digest is read from the directories of the file's archives (one per item: a few KiB at the end of each,
-    no pass over the data, see ``integrity.records_digest``). A save records it for every file, and a load
-    compares (:func:`check_data_files_belong`): a file from another save, or another rank's file, has other
-    CRCs unless it holds the same bytes. Items torch stored transformed (compressed: never by fabric) carry
-    no archive and are left out. ``only``: just these files.
-    """
+    """Each data file the index names: ``{"bytes": its size, "records_crc32": its archives' records_digest}``, which
+    a save records and a load compares; items stored compressed (never by fabric) are left out. ``only``: just these."""
     return data_files_written(folder, (metadata.storage_data or {}).values(), only)
 
 
@@ -250,20 +237,19 @@ def check_data_files_belong(
     only: set[str] | None = None,
 ) -> None:
     """Every data file the index names exists (``check_data_files``) and is the one the save recorded in the
-    objects file: same name, size and records' CRC-32s (``data_files_of``), checked before anything is read;
-    one that differs is named.
-
-    A folder saved before fabric recorded its data files (``recorded`` is None) is loaded with only the
-    index's checks, and said so once per process. ``share``: ``(rank, world_size)`` when the ranks agree on
-    the outcome afterwards: each rank then reads the digests of every ``world_size``-th file only, so a
-    job's ranks read each directory once between them rather than once each. ``only``: check just these
-    files (those a load from a store fetched whole), and no other file's presence.
-    """
+    objects file (same size and records' digest), else it is named; ``recorded`` is None for a folder saved
+    before fabric recorded them: the index's checks alone. ``share``: ``(rank, world_size)`` when the ranks agree
+    on the outcome afterwards, so each reads the digests of every ``world_size``-th file only (each directory is
+    read once between them). ``only``: just these files (those a load from a store fetched whole), no other's presence."""
     if recorded is None:
-        say_once_unbound(folder)
+        warn_once(
+            "unbound folder",
+            f"Checkpoint {str(folder)!r} was saved before fabric recorded which data files belong to a save: a shard"
+            " file from another save cannot be detected in it (said once per process)",
+        )
         check_data_files(folder, metadata)
         return
-    this_save = f"the save that wrote {OBJECTS_FILE!r} and {METADATA_FILE!r} (save {save_id})"
+    this_save = f"the save that wrote {OBJECTS_FILE!r} and {INDEX_FILE!r} (save {save_id})"
     named = check_files_listed(str(folder), recorded, metadata, this_save, Path(folder) if only is None else None)
     written = {name: entry.get("bytes") for name, entry in recorded.items()}
     if only is not None:
@@ -311,23 +297,14 @@ def check_files_listed(shown: str, recorded: Any, metadata: Metadata, this_save:
     return named
 
 
-def say_once_unbound(folder: str | os.PathLike) -> None:
-    """Warn, once per process, that a folder saved before data files were recorded cannot be checked for mixing."""
-    warn_once(
-        "unbound folder",
-        f"Checkpoint {str(folder)!r} was saved before fabric recorded which data files belong to a save: a shard"
-        " file from another save cannot be detected in it (said once per process)",
-    )
-
-
 def read_index(folder: Any, load_id: str | None = None) -> Metadata:
     """The ``.metadata`` index of a checkpoint folder: names, global shapes and dtypes of every tensor."""
-    path = Path(folder) / METADATA_FILE
+    path = Path(folder) / INDEX_FILE
     try:
         with open(path, "rb") as file:
             metadata = _IndexUnpickler(file).load()
     except FileNotFoundError:
-        raise CheckpointLoadError(f"{str(folder)!r} is not a sharded checkpoint: it has no {METADATA_FILE} file") from None
+        raise CheckpointLoadError(f"{str(folder)!r} is not a sharded checkpoint: it has no {INDEX_FILE} file") from None
     except pickle.UnpicklingError as err:
         raise CheckpointLoadError(f"Checkpoint index {str(path)!r} is unsafe or corrupt: {err}") from None
     except Exception as err:  # truncated or damaged bytes derail the unpickler anywhere
@@ -340,17 +317,13 @@ def read_index(folder: Any, load_id: str | None = None) -> Metadata:
     return metadata
 
 
-# ---- torch.distributed.checkpoint's errors and warnings, for our messages ----------------------------------
-
-
 def first_failure(err: BaseException) -> str:
     """The first rank's own error inside torch's ``CheckpointException`` (which lists every rank's trace), in one line."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
-        rank = min(failures)
         inner = own_error(err)
         text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
-        return f"on rank {rank}: {type(inner).__name__}: {text}"
+        return f"on rank {min(failures)}: {type(inner).__name__}: {text}"
     return f"{type(err).__name__}: {err}"
 
 

@@ -1,11 +1,8 @@
-"""Sharded checkpoints: a folder in which every rank writes its own shards, readable by any layout.
-
-The folder holds ``torch.distributed.checkpoint`` data files and index (tensors only) plus
-``fabric-objects.pt``: a ``weights_only``-loadable file from rank 0 with every non-tensor value, the
-entries that are neither modules nor optimizers, where each tensor belongs (see ``layout``), and what binds
-the save's files together. One flow for every store (docs/architecture.md: "A sharded checkpoint's life",
-"A sharded checkpoint on a store"). Loading reshards to whatever layout the target objects have: 2 -> 4
-processes, sharded -> a plain module in one process, and back.
+"""Sharded checkpoints: a folder in which every rank writes its own shards, readable by any layout (2 -> 4
+processes, sharded -> a plain module in one process, and back), one flow for every store (docs/architecture.md:
+"A sharded checkpoint's life", "A sharded checkpoint on a store"). Beside torch.distributed.checkpoint's files
+(tensors only), rank 0 writes ``fabric-objects.pt`` (``weights_only``-loadable): every non-tensor value, where
+each tensor belongs (``layout``), and what binds the save's files.
 """
 
 from __future__ import annotations
@@ -13,10 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -31,9 +31,12 @@ from fabric.checkpoint.async_save import (
 )
 from fabric.checkpoint.errors import CheckpointLoadError
 from fabric.checkpoint.formats.file import safe_load
+from fabric.checkpoint.formats.full import FullFile, load_full
+from fabric.checkpoint.formats.lightning import read_lightning_folder
 from fabric.checkpoint.formats.shard_reader import (
     INDEX_FILE,
     OBJECTS_FILE,
+    Fetch,
     SafeFileSystemReader,
     check_index_crc,
     first_failure,
@@ -46,9 +49,6 @@ from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
 from fabric.checkpoint.storage import Found, ShardedRead, Store, disk, locate
 
-if TYPE_CHECKING:
-    from fabric.checkpoint.formats.shard_reader import Fetch
-
 FORMAT = "fabric-sharded-checkpoint"
 VERSION = 1
 
@@ -60,14 +60,10 @@ def save_sharded(
     filter: dict[str, Callable[[str, Any], bool]] | None = None,
     async_save: bool = False,
 ) -> SaveHandle:
-    """Write ``state`` to the folder ``path``: every rank its own shards, in parallel; a collective.
-
-    ``state`` maps names to modules (plain, DDP or ``fully_shard``-ed), optimizers (saved with the
-    module in ``state`` that holds their parameters), objects with ``state_dict``/``load_state_dict``,
-    and plain values. With ``async_save`` the call returns once the tensors are copied to CPU memory;
-    the write and the publication go on in the background (see ``async_save``). Returns a handle
-    whose ``wait()`` returns when the checkpoint is published on every rank (raising its error if any).
-    """
+    """Write ``state`` (modules, plain, DDP or ``fully_shard``-ed; optimizers, saved with the module in ``state``
+    that holds their parameters; stateful objects; plain values) to the folder ``path``: every rank its own
+    shards, in parallel; a collective. With ``async_save`` it returns once the tensors are copied to CPU memory;
+    the handle's ``wait()`` returns when the checkpoint is published on every rank (raising its error if any)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     wait_for_pending_save()
@@ -96,15 +92,12 @@ def _files_written() -> frozenset[str]:
 
 
 def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
-    """Every rank writes its shards where the store's save puts them; rank 0 gathers every rank's part (or its
-    error), writes the objects file with the binding of the save's files, and commits; all learn the outcome."""
-    import torch.distributed.checkpoint as dcp
-
+    """Every rank writes its shards; rank 0 gathers each rank's part (or error), writes the objects file, commits; all learn the outcome."""
     save = store.sharded_save(ticket)
     failed = f"Saving the sharded checkpoint {store.shown!r} failed; the previous one is kept."
     rank = rank_in_group(group)
     try:
-        nbytes = _local_bytes(tensors)
+        nbytes = sum(local.numel() * local.element_size() for local in map(_local, tensors.values()))  # this rank's part
         try:
             writer = save.writer(nbytes)
             with quiet_single_process():
@@ -160,11 +153,6 @@ def _timed_out(err: BaseException) -> bool:
     return False
 
 
-def _local_bytes(tensors: dict[str, Tensor]) -> int:
-    """The bytes of this rank's part of ``tensors`` (a DTensor's local shard)."""
-    return sum(local.numel() * local.element_size() for local in map(_local, tensors.values()))
-
-
 def load_sharded(
     path: str | Path | Store,
     state: dict[str, Any] | None = None,
@@ -172,13 +160,10 @@ def load_sharded(
     weights_only: bool | None = None,
     found: Found | None = None,
 ) -> dict[str, Any]:
-    """Restore ``state`` in place from a sharded checkpoint (or a full checkpoint file); return what was not asked for.
-
-    Works for any number of processes and any layout of the target objects. Everything is checked and
-    read (into new storage) on every rank before any rank changes anything (``restore``). Without
-    ``state`` the whole checkpoint is returned with full tensors. ``found``: what the location holds, as
-    every rank agreed (``Store.detect`` on rank 0), else detected here.
-    """
+    """Restore ``state`` in place from a sharded checkpoint (or a full checkpoint file) into objects of any
+    layout, checked and read on every rank before any rank changes anything (``restore``); return what was not
+    asked for (without ``state``: the whole checkpoint, tensors in full). ``found``: what the location holds, as
+    every rank agreed (``Store.detect`` on rank 0), else detected here."""
     wait_for_pending_save()
     store = locate(path)
     if found is None and isinstance(state, dict):  # a collective: every rank reads what rank 0 found (one checkpoint for all)
@@ -187,13 +172,8 @@ def load_sharded(
         found = store.detect()
     store.adopt(found)
     if found.kind in ("file", "missing"):
-        from fabric.checkpoint.formats.full import load_full
-
         return load_full(store, state, strict=strict, weights_only=weights_only)
     if found.kind == "lightning":  # Lightning Fabric's layout: read whole, then loaded as a full file is
-        from fabric.checkpoint.formats.full import FullFile
-        from fabric.checkpoint.formats.lightning import read_lightning_folder
-
         folder = store.sharded_read().open()  # (a local folder: Lightning Fabric never wrote to a store)
         if state is None:
             return read_lightning_folder(folder, weights_only)
@@ -241,12 +221,10 @@ def incomplete_folder(folder: Path) -> str:
 
 class ShardedFolder:
     """A folder of shards as an ``EntrySource``: checks from its index alone, reads into new storage of the
-    target's layout (any number of processes), hands the values to torch's distributed state-dict API."""
+    target's layout (any number of processes), hands the values to torch's distributed state-dict API. ``agreed``:
+    opened inside the load walk's first agreement, so the ranks can share the checks of the data files' digests."""
 
     def __init__(self, reading: ShardedRead, state: dict[str, Any], weights_only: bool | None, agreed: bool = False) -> None:
-        """``reading``: the checkpoint as its store opens it (a local folder, or a staging folder its items are
-        fetched into as they are read). ``agreed``: opened inside the load walk's first agreement (``restore``),
-        so the ranks can share the checks of the data files' digests (any rank's refusal reaches every rank)."""
         self.path = reading.shown
         self._reading = reading
         self.fetch: Fetch | None = reading.fetch
@@ -322,20 +300,16 @@ class ShardedFolder:
             self._targets[key] = into
 
     def undo_state_init(self) -> None:
-        """Empty again the optimizers that had no state before the check (a load that did not go through).
-
-        To see an optimizer's layout, torch's ``get_optimizer_state_dict`` gives one with no state yet a
-        state of its own (a zero-gradient step at learning rate 0: ``step`` 1, zero moments), which is
-        not what the optimizer's first real step would start from.
-        """
+        """Empty again the optimizers that had no state before the check (a load that did not go through):
+        to see their layout, torch's ``get_optimizer_state_dict`` gave them a state (a zero-gradient step at
+        learning rate 0: ``step`` 1, zero moments), which is not what their first real step would start from."""
         for optimizer in self._had_no_state:
             optimizer.state.clear()
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Every entry's tensors read into new storage shaped like their targets (so a failed read changes
-        nothing), then the rest of the checkpoint with full tensors. An optimizer that had no state (a resumed
-        job's) is read into the placeholder state torch's API gave it: a failed load empties it again
-        (:meth:`undo_state_init`), and no second copy of its state is made."""
+        """Every entry's tensors read into new storage shaped like their targets, so a failed read changes nothing
+        (but an optimizer that had no state, a resumed job's, straight into the placeholder state torch's API gave
+        it: no second copy, and a failed load empties it); and the rest of the checkpoint, tensors in full."""
         skeleton, paths = self.objects["skeleton"], self.objects["tensors"]
         # a placeholder sharing memory with a parameter, a buffer or another placeholder is staged like the rest
         taken = {_storage_of(tensor) for tensor in layout.parameters_and_buffers(present.values())}
@@ -344,9 +318,8 @@ class ShardedFolder:
             fresh = present[key] in self._had_no_state  # its state is torch's placeholder: read straight into it
             for flat, target in into.items():
                 storage = _storage_of(target)
-                in_place = fresh and storage not in taken
+                staged[flat] = target if fresh and storage not in taken else torch.empty_like(target)
                 taken.add(storage)
-                staged[flat] = target if in_place else torch.empty_like(target)
         _read_tensors(self.folder, staged, fetch=self.fetch)
         values = {
             key: layout.fill(skeleton[key], staged, paths, key) if key in self._targets else skeleton[key] for key in present
@@ -368,8 +341,6 @@ class ShardedFolder:
 
 def _local(tensor: Tensor) -> Tensor:
     """A DTensor's local tensor (under ``no_grad``, the object the planner hands the reader); a tensor itself."""
-    from torch.distributed.tensor import DTensor
-
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -380,11 +351,7 @@ def _storage_of(tensor: Tensor) -> int:
 
 def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = False, fetch: Fetch | None = None) -> None:
     """Fill ``destinations`` (flat key -> tensor or DTensor of any layout, new storage made for this load)
-    from the folder's shards; a destination laid out as one saved chunk is read straight into, one that a
-    chunk fills whole in another layout takes that chunk's storage. ``fetch``: brings the items read into
-    the folder first (``SafeFileSystemReader``)."""
-    import torch.distributed.checkpoint as dcp
-
+    from the folder's shards (``fetch``: see ``SafeFileSystemReader``)."""
     if not destinations:
         return
     try:
@@ -414,17 +381,12 @@ def read_objects(folder: Path, weights_only: bool | None = None) -> dict[str, An
 
 
 def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str], fetch: Fetch | None = None) -> dict[str, Any]:
-    """The entries ``keys`` with full tensors, as ``state_dict_type="full"`` would have written them.
-
-    Every tensor is read whole into this process (no process group needed); optimizer states come
-    back in ``Optimizer.state_dict()``'s numbered form.
-    """
+    """The entries ``keys`` as ``state_dict_type="full"`` would have written them (optimizers in the numbered
+    form), every tensor read whole into this process (no process group needed)."""
     skeleton, kinds, paths = objects["skeleton"], objects["kinds"], objects["tensors"]
     wanted = {flat: path for flat, path in paths.items() if path[0] in keys}
-    destinations = {}
-    for flat in wanted:
-        saved = index.state_dict_metadata[flat]
-        destinations[flat] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    saved = index.state_dict_metadata
+    destinations = {flat: torch.empty(tuple(saved[flat].size), dtype=saved[flat].properties.dtype) for flat in wanted}
     _read_tensors(folder, destinations, full=True, fetch=fetch)
     result = {}
     for key in keys:
@@ -433,17 +395,11 @@ def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str]
     return result
 
 
-# ---- torch.distributed.checkpoint without a process group ---------------------------------------------
-
-
 def _distributed() -> bool:
-    import torch.distributed as dist
-
+    """Whether there is a process group (else torch.distributed.checkpoint runs with ``no_dist``)."""
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank_and_world_size() -> tuple[int, int] | None:
     """This process's rank and the world size of the default group (the group ``restore`` agrees over), if any."""
-    import torch.distributed as dist
-
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else None

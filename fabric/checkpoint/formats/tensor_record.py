@@ -1,12 +1,9 @@
 """Reading a saved tensor's bytes straight into a tensor of ours, without ``torch.load``.
 
-Every item of a ``torch.distributed.checkpoint`` shard file is a ``torch.save`` archive of one tensor: a
-small pickle that gives the storage's dtype and the tensor's offset, size and stride, and one record that
-holds the storage's bytes. ``torch.load`` reads that record into storage it allocates itself, so a load
-into new storage of ours (``sharded.ShardedFolder``) would hold the state twice, and a resumed job's fresh
-optimizer state would be allocated, then thrown away. The pickle is read by an unpickler that knows only
-the few names such a pickle uses and builds no tensor; anything else (another layout, another form of
-pickle) is left to ``torch.load``.
+Every item of a shard file is a ``torch.save`` archive of one tensor: a small pickle and one record of the
+storage's bytes, which ``torch.load`` reads into storage of its own, so a load into new storage of ours would
+hold the state twice, and a resumed job's fresh optimizer state would be allocated, then thrown away. The
+pickle is read by an unpickler that builds no tensor; anything else (another layout) is left to ``torch.load``.
 """
 
 from __future__ import annotations
@@ -77,19 +74,16 @@ class _LayoutUnpickler(pickle.Unpickler):
         raise _NotPlain
 
     def persistent_load(self, pid: Any) -> _Storage:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype) and pid[2] == "0"):
             raise _NotPlain
-        _, dtype, key, _, numel = pid
-        if key != "0":
-            raise _NotPlain
+        _, dtype, _, _, numel = pid
         return _Storage(dtype, int(numel))
 
 
 def read_into(archive: CheckedArchive, destination: Tensor) -> bool:
-    """Read the one tensor that ``archive`` holds straight into ``destination`` (a CPU tensor of new storage,
-    whose bytes may be overwritten whatever the outcome); False, with nothing read into it, where the saved
-    layout differs from the destination's or the pickle is not the plain form ``torch.save`` writes for one
-    tensor. The archive's records are all checked (``archive.finish``) before it returns True."""
+    """Read the one tensor that ``archive`` holds straight into ``destination`` (a CPU tensor of new storage, whose
+    bytes may be overwritten whatever the outcome), every record checked, and return True; False, nothing read
+    into it, where the saved layout differs from the destination's or the pickle is not one plain tensor's."""
     if destination.device.type != "cpu" or not destination.is_contiguous():
         return False
     names = archive.names()

@@ -22,10 +22,10 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.checkpoint import pipeline
-from fabric.checkpoint.errors import CheckpointLoadError
+from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError
 from fabric.checkpoint.formats import device_load
 from fabric.checkpoint.formats.device_load import HostStaging, RingReader, load_staged
-from fabric.checkpoint.integrity import CheckedArchive, CorruptCheckpointError
+from fabric.checkpoint.integrity import CheckedArchive
 from support.archives import data_range, flipped
 
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from fabric.checkpoint import integrity
+from fabric.checkpoint.errors import CorruptCheckpointError
 from fabric.checkpoint.formats.tensor_record import read_into
-from fabric.checkpoint.integrity import CheckedArchive, CorruptCheckpointError
+from fabric.checkpoint.integrity import CheckedArchive
 from support.archives import archive_bytes, data_range, flipped
 
 
