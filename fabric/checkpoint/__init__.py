@@ -3,8 +3,8 @@
 ``stateful`` is the protocol every entry follows; ``pipeline`` the save and the load a strategy runs, over
 ``state`` (the save walk), ``restore`` (the load walk), ``formats/`` (what the bytes are) and ``storage/``
 (where they live: the disk or an object store); ``resume/`` keeps a dataloader's place; ``errors`` holds every
-error, standard library only. The names exported here load on first use, so that importing
-``fabric.checkpoint.errors`` (as the layers below do) imports nothing else.
+error. The names of the modules that import torch load on first use, so that importing ``fabric.checkpoint.errors``
+(as the layers below do) imports only the standard library (``errors`` and ``stateful``, imported here, need no more).
 """
 
 from __future__ import annotations
@@ -13,58 +13,38 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fabric._core.lazy import submodule
+from fabric.checkpoint.errors import (
+    CheckpointLoadError,
+    CheckpointMismatchError,
+    CommitRecordError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
+from fabric.checkpoint.stateful import (
+    SAVED_RANKS_KEY,
+    CheckedStateful,
+    PerRankStateful,
+    ResizableStateful,
+    SavedRanksStateful,
+    Stateful,
+    checks_state,
+    has_per_rank_state,
+    is_resizable,
+    is_stateful,
+    keeps_saved_ranks,
+)
 
 if TYPE_CHECKING:
-    from fabric.checkpoint.errors import (
-        CheckpointLoadError,
-        CheckpointMismatchError,
-        CommitRecordError,
-        CorruptCheckpointError,
-        UnsafeCheckpointError,
-    )
     from fabric.checkpoint.fit import check_optimizer_state_fits, check_state_dict_fits
     from fabric.checkpoint.per_rank import PER_RANK_KEY, gather_per_rank_states, state_of_rank
     from fabric.checkpoint.resume.random_state import capture_random_state, restore_random_state
     from fabric.checkpoint.state import collect_states
-    from fabric.checkpoint.stateful import (
-        SAVED_RANKS_KEY,
-        CheckedStateful,
-        PerRankStateful,
-        ResizableStateful,
-        SavedRanksStateful,
-        Stateful,
-        checks_state,
-        has_per_rank_state,
-        is_resizable,
-        is_stateful,
-        keeps_saved_ranks,
-    )
 
 _LAZY = {
-    **dict.fromkeys(
-        ("CheckpointLoadError", "CheckpointMismatchError", "CommitRecordError", "CorruptCheckpointError", "UnsafeCheckpointError"),
-        "fabric.checkpoint.errors",
-    ),
     **dict.fromkeys(("check_optimizer_state_fits", "check_state_dict_fits"), "fabric.checkpoint.fit"),
     **dict.fromkeys(("PER_RANK_KEY", "gather_per_rank_states", "state_of_rank"), "fabric.checkpoint.per_rank"),
     **dict.fromkeys(("capture_random_state", "restore_random_state"), "fabric.checkpoint.resume.random_state"),
     "collect_states": "fabric.checkpoint.state",
-    **dict.fromkeys(
-        (
-            "SAVED_RANKS_KEY",
-            "CheckedStateful",
-            "PerRankStateful",
-            "ResizableStateful",
-            "SavedRanksStateful",
-            "Stateful",
-            "checks_state",
-            "has_per_rank_state",
-            "is_resizable",
-            "is_stateful",
-            "keeps_saved_ranks",
-        ),
-        "fabric.checkpoint.stateful",
-    ),
 }
 
 

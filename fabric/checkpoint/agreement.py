@@ -1,11 +1,7 @@
-"""How every rank learns the outcome of a checkpoint step that rank 0 alone takes (writing a file,
-preparing or publishing a folder), so that no rank waits for a file that will not come and every rank
-raises the same error.
-
-The one agreement of the checkpoint pipeline: rank 0 runs the step, its result or its error travels to
-every rank through the strategy's broadcast (torch.distributed or Horovod), and each rank returns the
-result or raises. Rank 0 raises its own exception (with its traceback); the others raise the same class
-(or RuntimeError, for a class they could not rebuild) with rank 0's message.
+"""How every rank learns the outcome of a checkpoint step, so that no rank waits for a file that will not come, or
+goes on alone, and every rank raises the same error. The result or the error travels through the strategy's broadcast
+(torch.distributed or Horovod); a failed rank raises its own exception (with its traceback), the others the same
+class (or RuntimeError, for a class they could not rebuild) with its message.
 """
 
 from __future__ import annotations
@@ -80,12 +76,9 @@ def on_every_rank(
     broadcast: Callable[[Any, int], Any],
     what: str,
 ) -> T:
-    """Run ``step`` on every rank; if it fails on any rank, raise on every rank. A collective.
-
-    ``failed_ranks(failed)`` gives every rank the list of ranks that failed, ``broadcast(obj, src)`` the
-    first failed rank's error. A failed rank raises its own error; the others an error of the same class
-    naming that rank and ``what`` it could not do, so that no rank goes on alone.
-    """
+    """Run ``step`` on every rank; if it fails on any rank, raise on every rank (naming the first failed rank and
+    ``what`` it could not do). A collective: ``failed_ranks(failed)`` gives every rank the list of ranks that failed,
+    ``broadcast(obj, src)`` the first failed rank's error."""
     value: Any = None
     error: BaseException | None = None
     try:
@@ -113,22 +106,17 @@ def agree_in_group(step: Callable[[], T], what: str, group: Any = None) -> T:
         dist.all_gather_object(flags, failed, group=group)  # objects: the group's device is torch's business (NCCL)
         return [rank for rank, flag in enumerate(flags) if flag]
 
-    def broadcast(obj: Any, src: int) -> Any:
-        holder = [obj]
-        dist.broadcast_object_list(holder, group=group, group_src=src)
-        return holder[0]
-
-    return on_every_rank(step, failed_ranks=failed_ranks, broadcast=broadcast, what=what)
+    return on_every_rank(step, failed_ranks=failed_ranks, broadcast=lambda obj, src: broadcast_in_group(obj, group, src), what=what)
 
 
-def broadcast_in_group(obj: Any, group: Any = None) -> Any:
-    """Rank 0's ``obj`` on every rank of ``group`` over torch.distributed (``obj`` itself without a process group)."""
+def broadcast_in_group(obj: Any, group: Any = None, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank of ``group`` over torch.distributed (``obj`` itself without a process group)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, group=group, group_src=0)
+    dist.broadcast_object_list(holder, group=group, group_src=src)
     return holder[0]
 
 

@@ -1,14 +1,10 @@
 """Asynchronous saves: the training loop waits only while the state is copied to CPU memory.
 
-The caller stages a CPU copy and hands a write function to :func:`start_background_save`, which
-runs it in a thread. At most one save is pending per process: the next save or load, the strategy's
-teardown and the end of the program wait for it first. A failure in the background is printed at
-once, raised by the next save/load/teardown, and, if the program ends first, reported at exit with
-exit status 1: it is never lost. The atomic publication is the write function's own (the same as a
-synchronous save), so a crash during a background write leaves the previous checkpoint whole.
-
-Background collectives use a dedicated gloo group, so they never interleave with the training
-loop's collectives on the default group.
+At most one save is pending per process, waited for by the next save or load, the strategy's teardown and the end
+of the program. A failure in the background is printed at once, raised by the next save/load/teardown, or reported
+at exit with exit status 1: it is never lost. The publication is the write function's own, as in a synchronous save,
+so a crash during a background write leaves the previous checkpoint whole. Background collectives use a gloo group
+of their own, so they never interleave with the training loop's collectives on the default group.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 _pending: _BackgroundSave | None = None
-_failure: BaseException | None = None  # of a finished background save, not yet reported
 _group: Any = None  # (the default group it was made beside, the background group)
 _exit_hook_registered = False
 
@@ -49,19 +44,17 @@ class _BackgroundSave(SaveHandle):
         self._thread.start()
 
     def _run(self) -> None:
-        global _failure
         try:
             self._write()
         except BaseException as err:  # kept for the next save/exit; also shown now
-            self._error = _failure = err
+            self._error = err
             print(f"[fabric] background save of {self._description} failed: {err}", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         self._thread.join()
-        global _failure
-        if self._error is not None and _failure is self._error:
-            _failure = None
-            raise RuntimeError(f"The background save of {self._description} failed") from self._error
+        error, self._error = self._error, None  # raised once
+        if error is not None:
+            raise RuntimeError(f"The background save of {self._description} failed") from error
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -91,11 +84,8 @@ def start_background_save(write: Callable[[], None], description: str) -> SaveHa
 
 
 def save_in_background(checkpoint_io: Any, checkpoint: dict[str, Any], path: Any, shown: str, storage_options: Any = None) -> SaveHandle:
-    """A single-file save through ``checkpoint_io`` of a CPU copy of ``checkpoint``'s tensors, in the background.
-    ``shown``: how messages name the checkpoint (a URL without its credentials).
-
-    Containers are copied with the tensors; other values are taken as they are at the call.
-    """
+    """A single-file save through ``checkpoint_io`` of a CPU copy of ``checkpoint``'s tensors (and their containers;
+    other values as they are at the call), in the background. ``shown``: the checkpoint's name without credentials."""
     from lightning_utilities.core.apply_func import apply_to_collection
     from torch import Tensor
 
@@ -119,5 +109,4 @@ def _wait_at_exit() -> None:
         wait_for_pending_save()
     except RuntimeError as err:
         print(f"[fabric] {err}: {err.__cause__}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
         os._exit(1)

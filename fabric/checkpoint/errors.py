@@ -1,10 +1,6 @@
-"""Every error raised while making, checking or loading a checkpoint, in one module.
-
-One home, so that one ``except CheckpointLoadError`` catches every refused load, whatever the format
-(single file, sharded folder, Lightning folder) and wherever the checkpoint lies: the same damage raises
-the same class on the local disk and on a store. The classes also keep the bases that code written for
-Lightning Fabric catches (``pickle.UnpicklingError``, ``KeyError``, ``ValueError``, ``TypeError``,
-``RuntimeError``). Standard library only, so every layer that raises or catches one can import it.
+"""Every checkpoint error, in one home: one ``except CheckpointLoadError`` catches every refused load, whatever the
+format and wherever the checkpoint lies (the same damage raises the same class on the disk and on a store). The classes
+keep the bases that code written for Lightning Fabric catches. Standard library only, so every layer can import it.
 """
 
 from __future__ import annotations
@@ -42,10 +38,9 @@ class CommitRecordError(CheckpointLoadError):
 class CheckpointMismatchError(KeyError, ValueError, TypeError, CheckpointLoadError):
     """A checkpoint entry does not fit the object it is loaded into; raised before anything is changed."""
 
-    # One class for every misfit (keys, shapes, kinds, optimizer groups, the number of processes of a per-rank
-    # state), in every format. Lightning Fabric and Module.load_state_dict raise a RuntimeError, earlier versions
-    # of this package a KeyError, ValueError or TypeError depending on the check: deriving from all four keeps
-    # except clauses written for any of them working.
+    # One class for every misfit, in every format. Lightning Fabric and Module.load_state_dict raise a RuntimeError,
+    # earlier versions of this package a KeyError, ValueError or TypeError depending on the check: deriving from all
+    # four keeps except clauses written for any of them working.
 
     def __str__(self) -> str:
         # KeyError's str() quotes its argument; this message is a sentence, shown as written
@@ -55,6 +50,4 @@ class CheckpointMismatchError(KeyError, ValueError, TypeError, CheckpointLoadErr
 def is_pickling_error(err: BaseException) -> bool:
     """Whether ``err`` is ``torch.save`` meeting an object pickle cannot handle (a lock, a lambda, an open file):
     the state's fault, whichever store the checkpoint was going to."""
-    import pickle
-
     return isinstance(err, pickle.PicklingError) or (isinstance(err, (TypeError, AttributeError)) and "pickle" in str(err))

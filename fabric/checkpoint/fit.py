@@ -1,9 +1,5 @@
-"""Does a saved entry fit the object it is loaded into? Every check of the checkpoint pipeline, in one place.
-
-Loading checks every entry before it changes anything, so a checkpoint that does not fit leaves every
-object as it was. Every misfit raises one class, :class:`CheckpointMismatchError`, naming ``state[key]``
-and what differs; it derives from KeyError, ValueError, TypeError and RuntimeError, so ``except`` clauses
-written for what torch, Lightning or earlier versions of this package raised keep working.
+"""Does a saved entry fit the object it is loaded into? Every check of the checkpoint pipeline, in one place, each
+raising :class:`CheckpointMismatchError` naming ``state[key]`` and what differs, before anything changes.
 """
 
 from __future__ import annotations
@@ -61,10 +57,7 @@ def check_stateful_entry(key: str, obj: Any, saved: Any) -> None:
 
 def check_saved_ranks(present: dict[str, Any], saved_entry: Callable[[str], Any], record: Any) -> dict[str, Any]:
     """For each ``SavedRanksStateful`` entry of ``present`` that ``record`` (the checkpoint's ``SAVED_RANKS_KEY``
-    entry) holds, the state it loads on this rank; raise (naming ``state[key]``) if none fits.
-
-    ``saved_entry(key)`` is the entry as written (rank 0's state).
-    """
+    entry) holds, the state it loads on this rank; raise if none fits. ``saved_entry(key)``: the entry as written."""
     keys = [key for key, obj in present.items() if keeps_saved_ranks(obj)]
     if not keys:
         return {}
@@ -123,11 +116,8 @@ def checked(pairs: Iterable[tuple[Any, Any]]) -> Iterator[None]:
 
 
 def check_state_dict_fits(module: Module, state_dict: Any, strict: bool = True) -> None:
-    """Raise before loading if ``state_dict`` would not load into ``module`` whole.
-
-    ``Module.load_state_dict`` copies the matching tensors before it reports a shape mismatch, leaving
-    the module half-loaded; checking first keeps it intact.
-    """
+    """Raise before loading if ``state_dict`` would not load into ``module`` whole: ``Module.load_state_dict``
+    copies the matching tensors before it reports a shape mismatch, leaving the module half-loaded."""
     if (id(module), id(state_dict)) in _CHECKED.get():
         return
     if not isinstance(state_dict, dict):
@@ -196,11 +186,8 @@ def _check_state_tensors(what: str, saved: dict[str, Any], current: Any, param_s
 
 
 def check_module_fits(what: str, target: dict[str, Any], saved_shapes: dict[str, tuple[int, ...] | None], strict: bool) -> None:
-    """Raise naming the first problem if a saved module entry cannot load into the state dict ``target``.
-
-    ``what`` names the module in the message; ``saved_shapes`` maps each saved name to its global shape
-    (None for a non-tensor entry), so the check needs no saved data, only its index.
-    """
+    """Raise naming the first problem if a saved module entry cannot load into the state dict ``target``. From each
+    saved name's global shape (None: not a tensor), so the check needs no saved data, only its index."""
     missing = [name for name in target if name not in saved_shapes]
     unexpected = [name for name in saved_shapes if name not in target]
     if not strict and target and saved_shapes and len(missing) == len(target):
@@ -256,12 +243,10 @@ _LOADS_INTO = {"module": ("a module's", "torch.nn.Module"), "optimizer": ("an op
 
 
 def check_plain_value(key: str, obj: Any, saved_kind: str) -> None:
-    """A plain value in ``state`` (neither a module, an optimizer nor a Stateful object), which loading replaces
-    by the saved one, must not stand where the checkpoint holds a module's or an optimizer's state dict
-    (``saved_kind``, as the format records or shows it): a str or an int there is a mistake that replacing
-    would hide. ``None`` and a dict stand for the entry itself, as in Lightning Fabric (a file cannot tell a
-    module's state dict from a plain dict of tensors); a sharded folder, which stores the two apart, refuses them
-    in its own check."""
+    """A plain value in ``state``, which loading replaces by the saved one, must not stand where the checkpoint holds
+    a module's or an optimizer's state dict: a str or an int there is a mistake that replacing would hide. ``None``
+    and a dict stand for the entry itself, as in Lightning Fabric (a file cannot tell a module's state dict from a
+    plain dict of tensors); a sharded folder, which stores the two apart, refuses them in its own check."""
     if saved_kind not in _LOADS_INTO or obj is None or isinstance(obj, (Module, Optimizer, Mapping)) or is_stateful(obj):
         return
     whose, target = _LOADS_INTO[saved_kind]

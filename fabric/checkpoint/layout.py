@@ -1,17 +1,17 @@
 """How a checkpoint's state dict is laid out, independent of how many processes wrote it.
 
-Modules and optimizers are read and written through ``torch.distributed.checkpoint.state_dict``,
-which names every tensor by its fully-qualified parameter name (no ``module.`` prefix from DDP,
-sharded tensors as DTensors under ``fully_shard``), so the same names fit any parallel layout.
-A sharded checkpoint stores each tensor under a flat key (``"model/layer.weight"``,
-``"optimizer/state/layer.weight/exp_avg"``) and the rest of the structure as a *skeleton*: the
-nested state with tensors replaced by ``None``, plus each flat key's path into it.
+Modules and optimizers go through ``torch.distributed.checkpoint.state_dict``, whose fully-qualified parameter names
+(no ``module.`` prefix from DDP, DTensors under ``fully_shard``) fit any parallel layout. A sharded checkpoint stores
+each tensor under a flat key (``"model/layer.weight"``) and the rest as a *skeleton*: the nested state with tensors
+replaced by ``None``, plus each flat key's path into it.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator, Mapping
+from functools import reduce
+from operator import getitem
 from typing import Any
 
 from torch import Tensor
@@ -19,7 +19,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.checkpoint.errors import CheckpointMismatchError
-from fabric.checkpoint.stateful import is_stateful as is_stateful
 
 MODULE = "module"
 OPTIMIZER = "optimizer"
@@ -37,12 +36,9 @@ def kind_of(obj: Any) -> str:
 
 
 def kind_saved_in(entry: Any) -> str:
-    """What an entry of a checkpoint file was saved from, as far as its value shows (a file keeps no kinds).
-
-    ``OPTIMIZER``: ``{"state": {...}, "param_groups": [{"params": [...], ...}, ...]}``, the form of every
-    optimizer state dict (torch's and the distributed state-dict API's); ``MODULE``: a non-empty dict of
-    tensors by name. A plain dict of tensors looks the same as a module's state dict; ``OTHER`` otherwise.
-    """
+    """What an entry of a checkpoint file was saved from, as far as its value shows (a file keeps no kinds): the form
+    of every optimizer state dict (torch's and the distributed API's), a non-empty dict of tensors by name (as a plain
+    dict of tensors also looks), or ``OTHER``."""
     if not isinstance(entry, Mapping) or not entry:
         return OTHER
     groups = entry.get("param_groups")
@@ -82,9 +78,8 @@ def owner_of(optimizer: Optimizer, state: dict[str, Any], key: str) -> Module:
 
 
 class DistributedStateDicts:
-    """What modules and optimizers of ``state`` become through torch's distributed state-dict API (a
-    ``StateDictSource`` for :func:`fabric.checkpoint.state.collect_states`): keys are parameter names for any
-    layout, sharded tensors are DTensors, or, with ``full_state_dict`` options, whole tensors."""
+    """What modules and optimizers of ``state`` become through torch's distributed state-dict API (a ``StateDictSource``
+    for :func:`fabric.checkpoint.state.collect_states`); with ``full_state_dict`` options, whole tensors."""
 
     def __init__(self, state: dict[str, Any], options: Any) -> None:
         self._state = state
@@ -103,11 +98,8 @@ class DistributedStateDicts:
 
 
 def split_tensors(entries: dict[str, Any], kinds: dict[str, str]) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Path_]]:
-    """(skeleton, flat key -> tensor, flat key -> path) for the module and optimizer entries.
-
-    Other entries stay whole in the skeleton (rank 0 writes them, as in a single-file checkpoint).
-    """
-    skeleton: dict[str, Any] = {}
+    """(skeleton, flat key -> tensor, flat key -> path) for the module and optimizer entries; other entries stay
+    whole in the skeleton (rank 0 writes them, as in a single-file checkpoint)."""
     tensors: dict[str, Tensor] = {}
     paths: dict[str, Path_] = {}
 
@@ -125,8 +117,7 @@ def split_tensors(entries: dict[str, Any], kinds: dict[str, str]) -> tuple[dict[
             return [visit(item, (*path, index)) for index, item in enumerate(value)]
         return value
 
-    for key, value in entries.items():
-        skeleton[key] = visit(value, (key,)) if kinds[key] != OTHER else value
+    skeleton = {key: visit(value, (key,)) if kinds[key] != OTHER else value for key, value in entries.items()}
     return skeleton, tensors, paths
 
 
@@ -146,18 +137,12 @@ def fill(skeleton_entry: Any, tensors: dict[str, Tensor], paths: dict[str, Path_
     entry = copy.deepcopy(skeleton_entry)
     placed = set()
     for flat, path in paths.items():
-        if path[0] != key or flat not in tensors:
-            continue
-        container = entry
-        for part in path[1:-1]:
-            container = container[part]
-        container[path[-1]] = tensors[flat]
-        placed.add(path[1:])
-    unplaced = [path[1:] for flat, path in paths.items() if path[0] == key and path[1:] not in placed]
+        if path[0] == key and flat in tensors:
+            reduce(getitem, path[1:-1], entry)[path[-1]] = tensors[flat]
+            placed.add(path[1:])
+    unplaced = [path[1:] for path in paths.values() if path[0] == key and path[1:] not in placed]
     for path in sorted(unplaced, key=len, reverse=True):
-        container = entry
-        for part in path[:-1]:
-            container = container[part]
+        container = reduce(getitem, path[:-1], entry)
         if isinstance(container, dict):
             del container[path[-1]]
     return entry
@@ -167,18 +152,12 @@ def fill(skeleton_entry: Any, tensors: dict[str, Tensor], paths: dict[str, Path_
 
 
 def optimizer_numbered(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """The parameter-name-keyed optimizer state in ``Optimizer.state_dict()``'s numbered form.
-
-    A full checkpoint stores this form so that a plain ``optimizer.load_state_dict`` reads it.
-    """
+    """The parameter-name-keyed optimizer state in ``Optimizer.state_dict()``'s numbered form: a full checkpoint
+    stores this form so that a plain ``optimizer.load_state_dict`` reads it."""
     numbers: dict[Any, int] = {}
     groups = []
     for group in state_dict["param_groups"]:
-        ids = []
-        for name in group["params"]:
-            numbers.setdefault(name, len(numbers))
-            ids.append(numbers[name])
-        groups.append({**group, "params": ids})
+        groups.append({**group, "params": [numbers.setdefault(name, len(numbers)) for name in group["params"]]})
     state = {numbers[name]: value for name, value in state_dict["state"].items() if name in numbers}
     return {"state": state, "param_groups": groups}
 
@@ -197,9 +176,7 @@ def optimizer_named(state_dict: dict[str, Any], target: dict[str, Any], key: str
         raise CheckpointMismatchError(
             f"state[{key!r}]: the checkpoint's optimizer has parameter groups of sizes {sizes}, this one {target_sizes}"
         )
-    number_to_name: dict[Any, Any] = {}
-    for group, target_group in zip(groups, target["param_groups"]):
-        number_to_name.update(zip(group["params"], target_group["params"]))
+    number_to_name = dict(zip((number for group in groups for number in group["params"]), names))
     state = {number_to_name[number]: value for number, value in state_dict["state"].items() if number in number_to_name}
     renamed = [{**group, "params": list(target_group["params"])} for group, target_group in zip(groups, target["param_groups"])]
     if len(number_to_name) != len(names):

@@ -1,12 +1,7 @@
-"""States that differ between ranks (``PerRankStateful``) in a file that rank 0 alone writes.
-
-Saving gathers each such object's state from every rank into ``{"per_rank": [rank 0's, rank 1's, ...]}``;
-loading hands the object that record, and :func:`state_of_rank` picks this rank's entry.
-
-A ``SavedRanksStateful`` object (a set-up loader with a state of its own) keeps its entry as its own
-``state_dict()``, the format Lightning Fabric writes; the same gather puts every rank's state, with the
-number of processes, beside the entries under ``SAVED_RANKS_KEY``, so that a load by another number of
-processes can still hand the object what each saving rank had.
+"""States that differ between ranks in a file that rank 0 alone writes: each ``PerRankStateful`` object's state from
+every rank, as ``{"per_rank": [rank 0's, rank 1's, ...]}``, and every rank's state of the ``SavedRanksStateful`` ones
+beside the entries (``SAVED_RANKS_KEY``), so that a load by another number of processes can still hand such an
+object what each saving rank had.
 """
 
 from __future__ import annotations
@@ -37,10 +32,7 @@ def gather_per_rank_states(
 ) -> dict[str, Any]:
     """Replace each ``PerRankStateful`` object of ``state`` by ``{"per_rank": [its state on every rank]}``, and
     each ``SavedRanksStateful`` one by its own state, with every rank's kept under ``SAVED_RANKS_KEY``
-    (``filter``, as ``Fabric.save`` got it, applied to those as to the entries).
-
-    A collective: every rank must call it with the same keys (``Fabric.save`` is called on every rank).
-    """
+    (``filter`` applied to those as to the entries). A collective: every rank calls it with the same keys."""
     per_rank = [key for key, value in state.items() if has_per_rank_state(value)]
     beside = [key for key, value in state.items() if keeps_saved_ranks(value)]
     if not per_rank and not beside:
@@ -50,10 +42,8 @@ def gather_per_rank_states(
     local = {key: state[key].state_dict() for key in per_rank + beside}
     everyone = _gather_objects(local, all_gather, world_size)
     gathered = dict(state)
-    for key in per_rank:
-        gathered[key] = {PER_RANK_KEY: [states[key] for states in everyone]}
-    for key in beside:
-        gathered[key] = local[key]
+    gathered.update({key: {PER_RANK_KEY: [states[key] for states in everyone]} for key in per_rank})
+    gathered.update({key: local[key] for key in beside})
     if beside:
         kept = {key: [filtered(key, states[key], filter) for states in everyone] for key in beside}
         gathered[SAVED_RANKS_KEY] = {"world_size": world_size, "states": kept}
@@ -75,11 +65,9 @@ def state_of_rank(value: Any, rank: int, world_size: int, what: str) -> Any:
 
 
 def _gather_objects(obj: Any, all_gather: Callable[[Tensor], Tensor], world_size: int) -> list[Any]:
-    """``obj`` from every rank, in rank order, through tensor collectives (works for any strategy).
-
-    The bytes are unpickled in full: they come from this job's own ranks, and a user's loader state may
-    hold types that ``weights_only`` refuses (a save must not fail where it did not before).
-    """
+    """``obj`` from every rank, in rank order, through tensor collectives (works for any strategy). Unpickled in
+    full: the bytes come from this job's own ranks, and a user's loader state may hold types that ``weights_only``
+    refuses (a save must not fail where it did not before)."""
     if world_size == 1:
         return [obj]
     buffer = io.BytesIO()

@@ -1,18 +1,11 @@
-"""A checkpoint's life, save and load, in one place; the strategy supplies the parts it owns.
-
-Saving: the states that differ between ranks are gathered (``per_rank``), then the strategy's declared
-format writes: ``"file"`` (the strategy's state dicts, one file from rank 0 through the CheckpointIO
-plugin), ``"sharded"`` (every rank its shards, ``formats.sharded``) or ``"full"`` (sharded objects gathered
-into one file from rank 0, ``formats.full``), on the store the path names (``storage.locate``).
-
-Loading: what the store holds decides, here alone, as rank 0 found it: a folder of shards loads into any
-layout; a file loads through the strategy's format. Everything is checked before anything changes.
-
-The strategy is reached only through :class:`CheckpointHost`, so nothing here imports a strategy.
+"""A checkpoint's life, save and load, in one place (``docs/architecture.md``, Checkpoints); the strategy supplies
+the parts it owns, and is reached only through :class:`CheckpointHost`, so nothing here imports a strategy. On load,
+what the store holds decides, as rank 0 found it, and everything is checked before anything changes.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -84,11 +77,9 @@ def save(
     async_save: bool = False,
     storage_options: Any | None = None,
 ) -> None:
-    """Write ``state`` to ``path`` in the host's format. A collective: call it on every rank.
-
-    Returns once the checkpoint is published (with ``async_save``: once its tensors are copied off; the
-    write's outcome comes with the next save or load); a failure is raised on every rank.
-    """
+    """Write ``state`` to ``path`` in the host's format. A collective: call it on every rank. Returns once the
+    checkpoint is published (with ``async_save``: once its tensors are copied off; the write's outcome comes with the
+    next save or load); a failure is raised on every rank."""
     check_path(path, "save")
     store = locate(path, writing="save a checkpoint")
     store.before_save()  # the start of a job: what killed saves in this folder left, where the writer is gone
@@ -143,8 +134,6 @@ def load(
 
 def check_path(path: Any, doing: str) -> None:
     """A checkpoint's path is a str or a path-like object (``save(None, ...)`` names the value)."""
-    import os
-
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"Cannot {doing} a checkpoint at path={path!r} ({type(path).__name__}); accepted: a str or a pathlib.Path")
 
@@ -218,14 +207,10 @@ def _reader(host: CheckpointHost, path: str | Path | Store, weights_only: bool |
         if not whole and isinstance(checkpoint, dict):  # what is not a module's or optimizer's comes back on the CPU, as before
             for key, value in checkpoint.items():
                 if key not in objects:
-                    checkpoint[key] = apply_to_collection(value, Tensor, _to_cpu)
+                    checkpoint[key] = apply_to_collection(value, Tensor, lambda tensor: tensor if tensor.device.type == "cpu" else tensor.cpu())
         return checkpoint
 
     return read
-
-
-def _to_cpu(tensor: Tensor) -> Tensor:
-    return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
 def staging_device(objects: Iterable[Any]) -> torch.device | None:

@@ -1,22 +1,9 @@
-"""Loading a checkpoint into the objects of ``state``: the one walk of every format.
+"""Loading a checkpoint into the objects of ``state``: the one walk of every format (``docs/architecture.md``).
 
-It goes in three steps, and the first two change nothing the user holds:
-
-1. check: the checkpoint's index (or file) is read, every key of ``state`` is present (unless
-   ``strict=False``), no plain value stands where the checkpoint holds a module's or an optimizer's state
-   (``fit.check_plain_value``, here for every format), and the format checks each entry against its object
-   (keys, shapes, kinds, optimizer groups and state shapes: ``fit``), from the index alone where it has one;
-2. read: the data of every entry is read into new storage, and its checksums are verified;
-3. apply: the read values go into their objects (modules, optimizers, Stateful objects) and replace plain
-   values, and the rest of the checkpoint is returned.
-
-The checkpoint's own record of the saving processes (``SAVED_RANKS_KEY``) is read in step 1: a
-``SavedRanksStateful`` entry (a loader with a state of its own) says from it which state it loads on this
-rank, or why none fits, before anything changes. ``pipeline.load`` leaves it out of what it returns.
-
-After steps 1 and 2 the ranks agree (``agree``): if one rank failed, every rank raises and no rank
-changes anything, so a damaged or mismatched checkpoint never leaves replicas that differ. A format
-(single file, gathered full file, folder of shards) supplies the steps as an :class:`EntrySource`.
+Check, read into new storage, then apply: the first two change nothing the user holds, and the ranks agree after
+each (``agree``), so if one rank failed every rank raises and a damaged or mismatched checkpoint never leaves
+replicas that differ. The record of the saving processes (``SAVED_RANKS_KEY``) is read in the check: a
+``SavedRanksStateful`` entry says from it which state it loads on this rank, or why none fits, before anything changes.
 """
 
 from __future__ import annotations
@@ -51,24 +38,19 @@ class EntrySource(Protocol):
 
     def keys(self) -> Collection[str]:
         """The checkpoint's top-level keys (reads the index, or the file)."""
-        ...
 
     def check(self, present: dict[str, Any], strict: bool) -> None:
         """Raise ``CheckpointMismatchError`` if an entry does not fit its object in ``present``; reads no tensor data."""
-        ...
 
     def saved_value(self, key: str) -> Any:
         """The saved entry ``key``, neither a module nor an optimizer, as written (whole; no tensor data read)."""
-        ...
 
     def saved_kind(self, key: str) -> str:
         """What the entry ``key`` was saved from (``layout.MODULE``, ``OPTIMIZER`` or ``OTHER``), as the
         checkpoint records it or its value shows; reads no tensor data beyond what ``keys`` read."""
-        ...
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(the values for ``present``'s keys, in new storage; the rest of the checkpoint): changes no object."""
-        ...
 
     def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None: ...
 
@@ -142,5 +124,4 @@ def restore(source: EntrySource, state: dict[str, Any], *, strict: bool, agree: 
 
 
 def _entries(keys: Collection[str]) -> list[str]:
-    """The checkpoint's entries of the user's state: its keys without its own record."""
     return [key for key in keys if key != SAVED_RANKS_KEY]

@@ -1,8 +1,6 @@
-"""Turning the ``state`` dict of ``Fabric.save``/``Fabric.load`` into a checkpoint and back.
-
-The save walk over the entries lives here, once; what a module or an optimizer becomes is asked of the
-strategy (``get_module_state_dict``, ``load_optimizer_state_dict``, ...). Loading goes through the one
-walk of ``restore``, for which :class:`StateDictFile` reads a file of plain state dicts.
+"""Turning the ``state`` dict of ``Fabric.save``/``Fabric.load`` into a checkpoint and back: the save walk, once,
+asking the strategy what a module or an optimizer becomes; loading goes through ``restore``'s walk, for which
+:class:`StateDictFile` reads a file of plain state dicts.
 """
 
 from __future__ import annotations
@@ -51,11 +49,8 @@ class StateDictHooks(StateDictSource, Protocol):
 def collect_states(
     source: StateDictSource, state: dict[str, Any], filter: StateFilter | None = None, keys: list[str] | None = None
 ) -> dict[str, Any]:
-    """``state`` (all entries, or ``keys``) with every module, optimizer and Stateful object replaced by its
-    state dict: the one walk of every save, in every format.
-
-    ``filter`` maps a key to a ``(name, value) -> bool`` predicate choosing the entries of that state dict to keep.
-    """
+    """``state`` (all entries, or ``keys``) with every module, optimizer and Stateful object replaced by its state
+    dict, of which ``filter[key]``, a ``(name, value) -> bool`` predicate, chooses the entries to keep."""
     converted: dict[str, Any] = {}
     for key in state if keys is None else keys:
         obj = state[key]

@@ -1,8 +1,6 @@
-"""The named protocol every entry of a checkpoint follows, so saving and loading need no guessing.
-
-An entry of the ``state`` dict given to ``Fabric.save``/``Fabric.load`` is a module or an optimizer (the
-strategy turns it into a state dict and back), a :class:`Stateful` object, which the optional declarations
-below refine, or anything else: saved as it is, and replaced by the saved value on load.
+"""The named protocol every entry of a checkpoint follows, so saving and loading need no guessing. An entry of
+``state`` is a module or an optimizer, a :class:`Stateful` object (the optional declarations below refine it), or
+anything else: saved as it is, and replaced by the saved value on load.
 """
 
 from __future__ import annotations
@@ -10,8 +8,8 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 #: The checkpoint's own top-level entry beside the user's: ``{"world_size": N, "states": {key: [the state of
-#: each of the N saving ranks]}}`` for the :class:`SavedRanksStateful` entries. Only a checkpoint holding such
-#: an entry has it; one without (written by Lightning Fabric, or before this record existed) loads as before.
+#: each of the N saving ranks]}}`` for the :class:`SavedRanksStateful` entries. A checkpoint without one (written
+#: by Lightning Fabric, or before this record existed) loads as before.
 SAVED_RANKS_KEY = "__fabric_saved_ranks__"
 
 __all__ = [
@@ -45,7 +43,6 @@ class CheckedStateful(Stateful, Protocol):
 
     def check_state_dict(self, state_dict: Any) -> Any:
         """Raise ValueError if ``state_dict`` cannot be loaded into this object."""
-        ...
 
 
 class PerRankStateful(Stateful, Protocol):
@@ -57,47 +54,33 @@ class PerRankStateful(Stateful, Protocol):
 
 
 class SavedRanksStateful(Stateful, Protocol):
-    """A Stateful object whose entry must stay its own ``state_dict()`` (rank 0's, the format Lightning Fabric
-    writes), and which still needs every rank's state on a load by another number of processes: the checkpoint
-    keeps those, and the number of processes, beside the entries (:data:`SAVED_RANKS_KEY`). A set-up
-    dataloader with a state of its own is one."""
+    """A Stateful object whose entry must stay its own ``state_dict()`` (rank 0's, the format Lightning Fabric writes),
+    but which needs every rank's state on a load by another number of processes: the checkpoint keeps those beside
+    the entries (:data:`SAVED_RANKS_KEY`). A set-up dataloader with a state of its own is one."""
 
     saved_ranks_beside: bool
 
     def state_from_saved_ranks(self, entry: Any, states: list[Any]) -> Any:
-        """The state to load on this rank, given the saved ``entry`` and ``states``, every saving rank's
-        ``state_dict()`` in rank order (as many as processes saved it).
-
-        Called before anything is loaded (it changes nothing); raises ValueError if no state fits this rank.
-        """
-        ...
+        """The state to load on this rank, given the saved ``entry`` and every saving rank's ``state_dict()`` in
+        rank order. Called before anything is loaded (it changes nothing); raises ValueError if none fits this rank."""
 
 
 @runtime_checkable
 class ResizableStateful(Stateful, Protocol):
-    """A user's stateful loader that can continue from a state saved by another number of processes.
-
-    A loader whose state is per rank (its position in this rank's shard, say) cannot simply take rank 0's
-    state on another number of processes: it has to be told what every saving rank had and how the new
-    job is laid out. ``Fabric.load`` calls this only when the number of processes differs; on the same
-    number, ``load_state_dict`` gets the saved entry as always.
-    """
+    """A user's stateful loader that can continue from a state saved by another number of processes: a per-rank
+    state (its place in this rank's shard, say) needs what every saving rank had and the new job's layout.
+    ``Fabric.load`` calls this only when the number of processes differs; on the same number, ``load_state_dict``
+    gets the saved entry as always."""
 
     def resized_state_dict(self, states: list[Any], world_size: int, rank: int) -> Any:
-        """This rank's state in a job of ``world_size`` processes, made from ``states``: the ``state_dict()``
-        of each of the ``len(states)`` processes that saved it, in rank order.
-
-        Called before anything is loaded, so it must change nothing; raise ValueError if the job cannot
-        continue from these states on ``world_size`` processes. What it returns goes to ``load_state_dict``.
-        """
-        ...
+        """This rank's state in a job of ``world_size`` processes, made from ``states`` (the ``state_dict()`` of
+        each process that saved it, in rank order). Called before anything is loaded, so it must change nothing;
+        raise ValueError if the job cannot continue from these states. What it returns goes to ``load_state_dict``."""
 
 
 def is_stateful(obj: Any) -> bool:
     """Whether ``obj`` follows :class:`Stateful` (both methods callable; classes themselves do not count)."""
-    if isinstance(obj, type):
-        return False
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    return not isinstance(obj, type) and callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def checks_state(obj: Any) -> bool:

@@ -73,6 +73,4 @@ def restore_random_state(state: dict[str, Any]) -> None:
 
 
 def _describe(value: Any) -> str:
-    if isinstance(value, dict):
-        return f"a dict with keys {sorted(map(str, value))}"
-    return f"{type(value).__name__}"
+    return f"a dict with keys {sorted(map(str, value))}" if isinstance(value, dict) else type(value).__name__

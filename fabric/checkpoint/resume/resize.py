@@ -1,17 +1,8 @@
-"""Resuming mid-epoch on another number of processes: the data position is global, not per rank.
+"""Resuming mid-epoch on another number of processes (docs/resume.md, "Resuming on another number of processes").
 
-An epoch's sample order comes from the ``DistributedSampler`` that ``setup_dataloaders`` puts in:
-a permutation of the dataset seeded with ``seed + epoch`` (or the plain order), which does not depend
-on the number of processes; rank ``r`` of ``N`` takes every ``N``-th sample of it. Ranks step in
-lockstep, so what a job has consumed of an epoch is always a prefix of that order, and one number
-says where the epoch stands: the global position ``S`` (samples consumed by all ranks together).
-
-A job of ``M`` processes that loads a position saved by ``N`` processes takes the rest of the epoch,
-``order[S:]``, and splits it as the sampler splits a whole epoch: padded by repeating its first
-samples to a multiple of ``M`` (or, with the sampler's ``drop_last``, cut to one), then every
-``M``-th sample to each rank. Over the epoch every sample is used once, plus the padding a
-``DistributedSampler`` adds anyway. The random state after a resize is derived, not loaded: rank
-``r`` seeds every generator with a hash of (the job's seed, the epoch, ``S``, ``r``), so the same
+An epoch's order does not depend on the number of processes, and ranks step in lockstep, so what a job has consumed
+is a prefix of that order: one global position says where the epoch stands, and the rest of it can be split over any
+number of ranks as the sampler splits an epoch. The random state after a resize is derived, not loaded, so the same
 resize of the same checkpoint gives the same run, bit for bit.
 """
 
@@ -33,9 +24,7 @@ def order_record(sampler: Any) -> dict[str, Any] | None:
     ``DistributedSampler`` (a user's sampler, wrapped, decides its own order: no resize)."""
     from torch.utils.data import DistributedSampler
 
-    from fabric.utilities.distributed import DistributedSamplerWrapper
-
-    if type(sampler) is not DistributedSampler or isinstance(sampler, DistributedSamplerWrapper):
+    if type(sampler) is not DistributedSampler:  # fabric's DistributedSamplerWrapper (a subclass) included
         return None
     return {
         "length": len(sampler.dataset),  # type: ignore[arg-type]
@@ -56,9 +45,8 @@ def epoch_order(record: dict[str, Any], epoch: int) -> list[int]:
 
 
 def rank_share(indices: list[int], world_size: int, rank: int, drop_last: bool) -> list[int]:
-    """``indices`` split over ``world_size`` ranks as ``DistributedSampler`` splits an epoch: padded by
-    repeating its first entries to a multiple of ``world_size`` (or cut to one), then every
-    ``world_size``-th entry from ``rank``."""
+    """``indices`` split over ``world_size`` ranks as ``DistributedSampler`` splits an epoch: padded by repeating
+    its first entries to a multiple of ``world_size`` (or cut to one), then every ``world_size``-th from ``rank``."""
     count = len(indices)
     per_rank = count // world_size if drop_last and count % world_size else math.ceil(count / world_size)
     total = per_rank * world_size

@@ -1,8 +1,6 @@
-"""The CheckpointIO plugin: where and how a strategy's checkpoint dictionaries become files.
-
-``TorchCheckpointIO`` is the default: atomic saves and safe loads of the single-file format
-(``fabric.checkpoint.formats.file``) on the local disk or a store. A user's plugin replaces it to write
-checkpoints another way (Lightning Fabric's ``CheckpointIO`` interface).
+"""The CheckpointIO plugin (Lightning Fabric's interface): ``TorchCheckpointIO``, the default, saves atomically and
+loads safely the single-file format (``fabric.checkpoint.formats.file``) on the disk or a store; a user's plugin
+replaces it to write checkpoints another way.
 """
 
 from __future__ import annotations
