@@ -146,7 +146,9 @@ def main() -> None:
         step(fabric, model, optimizer)
 
         import fabric.checkpoint.storage.objects as storage
+        from fabric.checkpoint.async_save import wait_for_pending_save
 
+        wait_for_pending_save()  # the async save is published before rank 1's uploads start failing (it uploads too)
         if fabric.global_rank == 1:
             storage.write_object = failing_data_uploads(storage.write_object)
         try:
