@@ -139,6 +139,7 @@ def _run_ranks(
     """
     from fabric.supervision.command_rank import CommandRank
     from fabric.supervision.signals import SignalForwarding, supervising_signals
+    from fabric.supervision.step_watch import GROUP_STEP_ENV
     from fabric.supervision.supervisor import Supervisor
 
     first = min(envs)
@@ -148,6 +149,8 @@ def _run_ranks(
         local = rank - (min(supervisor.rank_ids) if nodes else first)
         env = {**envs[first + local], "TORCHELASTIC_RESTART_COUNT": str(supervisor.attempts - 1),
                "TORCHELASTIC_MAX_RESTARTS": str(max_restarts), **(nodes.rank_variables(local) if nodes else {})}
+        if REPLICA_GROUP_ENV in env:  # a replica group restarted after its peers finished must not start over alone
+            env[GROUP_STEP_ENV] = str(supervisor.committed_steps)
         # local rank 0 keeps the terminal's stdin, as under torchrun
         return CommandRank(rank, command, env, job_dir, keep_stdin=local == 0)
 
@@ -173,6 +176,15 @@ def run(config: RunConfig) -> int:
         _say(f"error: {err}")
         return 2
     env = {**os.environ, **fabric_environment(config, nprocs)}
+    if config.lighthouse is not None:  # a replica group: every group of the job holds the job's secret
+        from fabric._core.job_secret import JOB_SECRET_ENV, JobSecretError, job_secret
+        from fabric._core.listening import lighthouse_on_loopback
+
+        try:
+            env[JOB_SECRET_ENV] = job_secret(config.lighthouse, lighthouse_on_loopback(config.lighthouse), env)
+        except (JobSecretError, OSError) as err:
+            _say(f"error: {err}")
+            return 2
     if nprocs == 1 and config.num_nodes == 1 and not config.max_restarts:
         # one process: become the script (same pid, signals and exit status are simply the script's)
         sys.stdout.flush()

@@ -37,8 +37,10 @@ __all__ = [
     "LOOPBACK_IPV6",
     "StoreListener",
     "keep_gloo_on_loopback",
+    "lighthouse_on_loopback",
     "listen_for_store",
     "loopback_interface",
+    "replica_job_address",
     "store_host",
     "tcp_store_arguments",
 ]
@@ -236,3 +238,30 @@ def keep_gloo_on_loopback() -> None:
     interface = loopback_interface()
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+
+
+def replica_job_address(lighthouse_url: str) -> str:
+    """Where a rank of a fault-tolerant job listens for the other replica groups (its manager, the healing transfer,
+    the process group across groups): loopback when the lighthouse is on loopback, since every group then runs on
+    this machine; else this machine's address on the route to the lighthouse, the network the groups share.
+
+    ``lighthouse_url``: ``http://HOST:PORT`` (an IPv6 host in brackets). Raises ``OSError`` naming the lighthouse
+    when no route to it exists.
+    """
+    netloc = lighthouse_url.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = netloc.rpartition(":")
+    host = _bare(host)
+    if _is_loopback(host) or host.lower() in _LOCAL_NAMES:
+        return LOOPBACK_IPV6 if ":" in host else LOOPBACK_IPV4
+    infos = socket.getaddrinfo(host, int(port or 0), type=socket.SOCK_DGRAM)
+    if all(_is_loopback(str(info[4][0])) for info in infos):
+        return LOOPBACK_IPV6 if infos[0][0] == socket.AF_INET6 else LOOPBACK_IPV4
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)  # a datagram socket's connect sends nothing: it only picks the route
+        return str(probe.getsockname()[0])
+
+
+def lighthouse_on_loopback(lighthouse_url: str) -> bool:
+    """Whether every replica group of the job runs on this machine (they meet at a lighthouse on loopback)."""
+    return replica_job_address(lighthouse_url) in (LOOPBACK_IPV4, LOOPBACK_IPV6)

@@ -16,7 +16,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from fabric.checkpoint.errors import CheckpointMismatchError
-from fabric.checkpoint.stateful import SAVED_RANKS_KEY, checks_state, is_stateful, keeps_saved_ranks
+from fabric.checkpoint.stateful import SAVED_RANKS_KEY, checks_state, is_optional_entry, is_stateful, keeps_saved_ranks
 
 __all__ = [
     "CheckpointMismatchError",
@@ -36,8 +36,9 @@ __all__ = [
 
 
 def check_entries_present(path: str | os.PathLike, state: dict[str, Any], saved: Any, strict: bool) -> None:
-    """KeyError if ``strict`` and some key of ``state`` has no entry among ``saved``'s keys."""
-    missing = [key for key in state if key not in saved]
+    """KeyError if ``strict`` and some key of ``state`` has no entry among ``saved``'s keys (an ``OptionalStateful``
+    entry may be missing)."""
+    missing = [key for key in state if key not in saved and not is_optional_entry(state[key])]
     if missing and strict:
         raise CheckpointMismatchError(
             f"Checkpoint {str(path)!r} has no entry for {missing} (it holds {sorted(saved)});"

@@ -15,12 +15,14 @@ SAVED_RANKS_KEY = "__fabric_saved_ranks__"
 __all__ = [
     "SAVED_RANKS_KEY",
     "CheckedStateful",
+    "OptionalStateful",
     "PerRankStateful",
     "ResizableStateful",
     "SavedRanksStateful",
     "Stateful",
     "checks_state",
     "has_per_rank_state",
+    "is_optional_entry",
     "is_resizable",
     "is_stateful",
     "keeps_saved_ranks",
@@ -51,6 +53,13 @@ class PerRankStateful(Stateful, Protocol):
     all ranks and picks its own."""
 
     per_rank_state: bool
+
+
+class OptionalStateful(Stateful, Protocol):
+    """A Stateful entry that a strategy adds to the user's state, which a checkpoint written without that strategy
+    lacks: a strict load goes on without it (the fault-tolerant strategies' ``"ddp_ft"`` entry)."""
+
+    optional_entry: bool
 
 
 class SavedRanksStateful(Stateful, Protocol):
@@ -91,6 +100,11 @@ def checks_state(obj: Any) -> bool:
 def has_per_rank_state(obj: Any) -> bool:
     """Whether ``obj`` declares ``per_rank_state = True`` (:class:`PerRankStateful`)."""
     return is_stateful(obj) and getattr(obj, "per_rank_state", False) is True
+
+
+def is_optional_entry(obj: Any) -> bool:
+    """Whether ``obj`` declares ``optional_entry = True`` (:class:`OptionalStateful`)."""
+    return is_stateful(obj) and getattr(obj, "optional_entry", False) is True
 
 
 def keeps_saved_ranks(obj: Any) -> bool:

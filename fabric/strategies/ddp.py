@@ -153,7 +153,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         if self._timeout is not None:
             kwargs["timeout"] = self._timeout
         # every rank on this machine: the store and gloo listen on loopback only (fabric/_core/listening.py)
-        single_machine = self.num_nodes == 1 and self.world_size == self.num_processes
+        single_machine = self._ranks_on_one_machine()
         if single_machine:
             keep_gloo_on_loopback()
         timeout = self._timeout or _default_timeout(self.process_group_backend)
@@ -172,6 +172,10 @@ class ProcessGroupStrategy(ParallelStrategy):
         # Leaving the group explicitly at exit is cheap (~10 ms); left to the destructors, a gloo group can
         # hold the interpreter's exit up by half a second, which every rank of every job pays.
         atexit.register(leave_process_group_at_exit)
+
+    def _ranks_on_one_machine(self) -> bool:
+        """Whether every process that reaches this job's store and gloo sockets runs on this machine."""
+        return self.num_nodes == 1 and self.world_size == self.num_processes
 
     @override
     def teardown(self) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,16 +32,38 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric._core.env import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV
+from fabric._core.job_secret import JOB_SECRET_ENV, job_secret
+from fabric._core.listening import lighthouse_on_loopback, replica_job_address
+from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.per_rank import state_of_rank
 from fabric.checkpoint.resume.random_state import capture_random_state, restore_random_state
 from fabric.strategies.ddp import DDPStrategy
 from fabric.strategies.fsdp import FSDPStrategy
+from fabric.supervision.step_watch import GROUP_STEP_ENV, StepWatch, supervisor_job_dir
 
-__all__ = ["FaultTolerantStrategy", "GroupPositions", "HSDPFaultTolerantStrategy", "ReplicaGroups", "replica_group_from_environment"]
+__all__ = [
+    "DEFAULT_STEP_TIMEOUT",
+    "TIMEOUT_MARGIN",
+    "FaultTolerantStrategy",
+    "GroupPositions",
+    "HSDPFaultTolerantStrategy",
+    "ReplicaGroups",
+    "replica_group_from_environment",
+]
 
 _HEALING_KEY = "fabric"
 #: the strategy's own entry in a checkpoint written by ``fabric.save``
 CHECKPOINT_KEY = "ddp_ft"
+#: How long a step may make no progress before its rank is ended (``step_timeout``): real steps take seconds;
+#: a first step that compiles is not counted (the bound is armed after it), nor are waits on other groups or storage.
+DEFAULT_STEP_TIMEOUT = timedelta(minutes=3)
+#: How much longer than ``step_timeout`` the waits on other groups must be, so that they outlast a hung peer's end
+#: (the supervisor's look, the stack dump, the kill, and the lighthouse's heartbeat timeout).
+TIMEOUT_MARGIN = timedelta(seconds=30)
+#: What the quorum and replica timeouts default to beyond ``step_timeout``.
+_DEFAULT_WAIT_BEYOND_STEP = timedelta(seconds=60)
+
+Seconds = float | int | timedelta
 
 
 def import_torchft() -> Any:
@@ -122,7 +145,7 @@ class GroupPositions:
 
     def restore(self, table: torch.Tensor) -> None:
         """A checkpoint's table: every loader continues at this group's row (a cold start of the whole job)."""
-        self._check_shape(table)
+        self.check_shape(table)
         own = self.own_row()
         for index, loader in enumerate(self.loaders):
             epoch, consumed = table[self.group, index].tolist()
@@ -130,16 +153,22 @@ class GroupPositions:
                 loader.continue_at(int(epoch) - 1, int(consumed))
         self.table = table.clone()
 
-    def _check_shape(self, table: torch.Tensor) -> None:
-        if table.shape != self.table.shape:
-            raise RuntimeError(
-                f"the table of data positions covers {table.shape[0]} group(s) and {table.shape[1]} dataloader(s); this"
-                f" job has {self.table.shape[0]} and {self.table.shape[1]}: every replica group must run the same script"
+    def check_shape(self, table: torch.Tensor) -> None:
+        """ValueError if ``table`` is not of this job's groups and dataloaders."""
+        if not isinstance(table, torch.Tensor) or table.shape != self.table.shape:
+            shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
+            raise ValueError(
+                f"the table of data positions has the shape {shape} (groups, dataloaders, 2); this job's is"
+                f" {tuple(self.table.shape)}: every replica group must run the same script, with the same"
+                " --num-replica-groups and set-up dataloaders"
             )
 
     def adopt(self, table: torch.Tensor) -> None:
         """A live peer's table (healing): its rows for the other groups, and for this group where it is ahead."""
-        self._check_shape(table)
+        try:
+            self.check_shape(table)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
         own = self.own_row()
         heard = table[self.group]
         for index, loader in enumerate(self.loaders):
@@ -152,27 +181,58 @@ class GroupPositions:
 class ReplicaGroups:
     """What makes a process-group strategy fault tolerant across replica groups (mixed in before it).
 
-    The step protocol, healing, data positions and the checkpoint entry; the strategy it is mixed into
-    says how gradients cross groups (:meth:`_average_across_groups`, or a comm hook that does it in backward).
+    The step protocol, healing, data positions, the checkpoint entry, the bound on a stalled step and where the
+    job listens; the strategy it is mixed into says how gradients cross groups (:meth:`_average_across_groups`,
+    or a comm hook that does it in backward).
     """
 
     _strategy_name = "ddp_ft"
 
-    def _init_replica_groups(
-        self, min_replica_size: int, quorum_timeout: timedelta, replica_timeout: timedelta, replica_process_group: Any
+    def __init__(
+        self,
+        *args: Any,
+        min_replica_size: int = 1,
+        step_timeout: Seconds | None = DEFAULT_STEP_TIMEOUT,
+        quorum_timeout: Seconds | None = None,
+        replica_timeout: Seconds | None = None,
+        replica_process_group: Any = None,
+        **kwargs: Any,
     ) -> None:
         if isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int) or min_replica_size < 1:
             raise ValueError(f"min_replica_size={min_replica_size!r} is not valid; accepted: an int >= 1")
+        step = None if step_timeout is None else _as_timedelta("step_timeout", step_timeout)
+        waits_beyond = (step or timedelta(0)) + _DEFAULT_WAIT_BEYOND_STEP
+        self._step_timeout = step
+        self._quorum_timeout = _as_timedelta("quorum_timeout", quorum_timeout) if quorum_timeout is not None else waits_beyond
+        self._replica_timeout = _as_timedelta("replica_timeout", replica_timeout) if replica_timeout is not None else waits_beyond
+        self._check_timeouts()
+        super().__init__(*args, **kwargs)
         self._min_replica_size = min_replica_size
-        self._quorum_timeout = quorum_timeout
-        self._replica_timeout = replica_timeout
         self._replica_process_group = replica_process_group
         self._manager: Any = None
+        self._quorum_client: Any = None
         self._positions: GroupPositions | None = None
         self._modules: list[Module] = []
         self._optimizers: list[Optimizer] = []
+        self._watch: StepWatch | None = None
         self._quorum_open = False  # a quorum was started for the step under way
         self._decision: bool | None = None  # the step's commit decision, once taken
+
+    def _check_timeouts(self) -> None:
+        """The other groups wait for a hung group to be ended (``step_timeout``) in their quorum and in their
+        all-reduce across groups: both waits must outlast it, or a hang would end the healthy groups too."""
+        step = self._step_timeout
+        if step is None:
+            return
+        needed = step + TIMEOUT_MARGIN
+        for name, value in (("quorum_timeout", self._quorum_timeout), ("replica_timeout", self._replica_timeout)):
+            if value < needed:
+                raise ValueError(
+                    f"{name}={value.total_seconds():g} s is shorter than step_timeout={step.total_seconds():g} s +"
+                    f" {TIMEOUT_MARGIN.total_seconds():g} s: the other groups would give up waiting before a hung group"
+                    f" is ended. Accepted: {name} >= {needed.total_seconds():g} s, a smaller step_timeout, or"
+                    " step_timeout=None (no bound on a stalled step)"
+                )
 
     # ---- the job's shape --------------------------------------------------------------------------
 
@@ -202,46 +262,87 @@ class ReplicaGroups:
         return replica_group_from_environment()[1]
 
     @property
+    def step_timeout(self) -> timedelta | None:
+        """How long a step may make no progress before this rank is ended (None: no bound)."""
+        return self._step_timeout
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
         group, groups, _ = replica_group_from_environment()
         world_size, rank = self.world_size, self.global_rank  # type: ignore[attr-defined]
         return {"num_replicas": world_size * groups, "rank": group * world_size + rank}
+
+    def _ranks_on_one_machine(self) -> bool:
+        """The group's own store and gloo stay on loopback only when every group of the job runs on this machine."""
+        return super()._ranks_on_one_machine() and lighthouse_on_loopback(replica_group_from_environment()[2])  # type: ignore[misc]
 
     # ---- life cycle -------------------------------------------------------------------------------
 
     def setup_environment(self) -> None:
         group, groups, lighthouse = replica_group_from_environment()  # before any process group: fail early
         torchft = import_torchft()
+        strategy: Any = self
+        host = self._job_address(lighthouse)
+        secret = os.environ.get(JOB_SECRET_ENV) or job_secret(lighthouse, on_loopback=host in ("127.0.0.1", "::1"))
         super().setup_environment()  # type: ignore[misc]
         if self._manager is not None:
             return
-        strategy: Any = self
+        from fabric.strategies.healing_transport import HealingTransport
+        from fabric.strategies.replica_quorum import QuorumClient, quorum_retries, replica_id
+
         pg = self._replica_process_group
-        if pg is None:
-            make = torchft.process_group.ProcessGroupNCCL if strategy.root_device.type == "cuda" else torchft.process_group.ProcessGroupGloo
-            pg = make(timeout=self._replica_timeout)
+        if pg is None and strategy.root_device.type == "cuda":
+            pg = torchft.process_group.ProcessGroupNCCL(timeout=self._replica_timeout)
+        elif pg is None:
+            from fabric.strategies.replica_process_group import ReplicaProcessGroupGloo
+
+            pg = ReplicaProcessGroupGloo(host, timeout=self._replica_timeout)
         env = strategy.cluster_environment
         self._positions = GroupPositions(group, groups)
-        self._manager = torchft.manager.Manager(
-            pg=pg,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=self._min_replica_size,
-            # healing must happen before the step's first batch is drawn, so that a group that comes back
-            # continues its data where it stood: the quorum is waited for when the step starts
-            use_async_quorum=False,
-            timeout=self._replica_timeout,
-            quorum_timeout=self._quorum_timeout,
-            connect_timeout=self._replica_timeout,
-            rank=strategy.global_rank,
-            world_size=strategy.world_size,
-            store_addr=env.main_address,
-            store_port=env.main_port,
-            lighthouse_addr=lighthouse,
-            replica_id=f"fabric_group_{group}",
+        with _manager_server_on(torchft, host):
+            self._manager = torchft.manager.Manager(
+                pg=pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=self._min_replica_size,
+                # healing must happen before the step's first batch is drawn, so that a group that comes back
+                # continues its data where it stood: the quorum is waited for when the step starts
+                use_async_quorum=False,
+                timeout=self._replica_timeout,
+                quorum_timeout=self._quorum_timeout,
+                connect_timeout=self._replica_timeout,
+                rank=strategy.global_rank,
+                world_size=strategy.world_size,
+                store_addr=env.main_address,
+                store_port=env.main_port,
+                lighthouse_addr=lighthouse,
+                replica_id=replica_id(self._strategy_name, groups, strategy.world_size, group),
+                hostname=host,
+                checkpoint_transport=HealingTransport(host, secret, self._replica_timeout),
+                quorum_retries=quorum_retries(self._quorum_timeout),
+            )
+        self._quorum_client = self._manager._client = QuorumClient(
+            self._manager._client, strategy=self._strategy_name, groups=groups, ranks=strategy.world_size, group=group,
+            lighthouse=lighthouse, quorum_timeout=self._quorum_timeout, steps_before=int(os.environ.get(GROUP_STEP_ENV, "0") or 0),
         )
         self._manager.register_state_dict_fn(_HEALING_KEY, self._load_healing_state, self._healing_state)
+        if self._step_timeout is not None:
+            self._watch = StepWatch(self._step_timeout.total_seconds(), supervisor_job_dir(), strategy.global_rank)
         atexit.register(self._shut_manager_down)
+
+    def _job_address(self, lighthouse: str) -> str:
+        """Where this rank listens for the other groups; a group whose store other machines cannot reach is refused."""
+        host = replica_job_address(lighthouse)
+        if host in ("127.0.0.1", "::1"):
+            return host
+        main_address = str(self.cluster_environment.main_address)  # type: ignore[attr-defined]
+        if main_address.strip("[]") in ("127.0.0.1", "::1", "localhost"):
+            raise ValueError(
+                f"the lighthouse at {lighthouse} is on another machine, so the other replica groups must reach this"
+                f" group's store at its main address, which is {main_address} (loopback); give --main-address as this"
+                " machine's address on the network the groups share"
+            )
+        return host
 
     def teardown(self) -> None:
         self._shut_manager_down()
@@ -277,23 +378,37 @@ class ReplicaGroups:
 
     def start_step(self) -> None:
         """Join the quorum of the step under way, once per step (healing from a peer happens here)."""
+        self._beat()
         if self._quorum_open:
             return
         self._quorum_open = True
         self._decision = None
-        self.manager.start_quorum(timeout=self._quorum_timeout)
+        with self._waiting_on_others():
+            self.manager.start_quorum(timeout=self._quorum_timeout)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         """Step only if the quorum commits the step; the decision is taken once per step, for every optimizer."""
         if self._decision is None:
             self.start_step()  # a step whose forward did not run through a set-up module
-            self._average_across_groups()
-            self._share_positions()
-            self._decision = bool(self.manager.should_commit(timeout=self._replica_timeout))
+            with self._waiting_on_others():
+                self._average_across_groups()
+                self._share_positions()
+                self._decision = bool(self.manager.should_commit(timeout=self._replica_timeout))
             self._quorum_open = False
+            if self._watch is not None:
+                self._watch.beat(self.committed_steps)
+                self._watch.arm()
         if not self._decision:
             return None
         return super().optimizer_step(optimizer, **kwargs)  # type: ignore[misc]
+
+    def _beat(self) -> None:
+        if self._watch is not None:
+            self._watch.beat()
+
+    def _waiting_on_others(self) -> AbstractContextManager:
+        """A wait bounded by torchft's own timeouts (other groups, the lighthouse): not a stalled step."""
+        return self._watch.waiting() if self._watch is not None else nullcontext()
 
     def _average_across_groups(self) -> None:
         """Average the gradients over the quorum's groups, if backward did not (a comm hook does it in DDP)."""
@@ -316,21 +431,23 @@ class ReplicaGroups:
     ) -> None:
         """As the strategy's, with the committed step count and every group's data position under ``"ddp_ft"``."""
         state = {**state, CHECKPOINT_KEY: _ReplicaGroupState(self)}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter, async_save=async_save)  # type: ignore[misc]
+        with self._waiting_on_others():  # storage has bounds of its own
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter, async_save=async_save)  # type: ignore[misc]
 
     def load_checkpoint(
         self, path: str | Path, state: Module | Optimizer | dict[str, Any] | None = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """As the strategy's; then this group takes the committed step count and its own data position from the file.
+        """As the strategy's, with the ``"ddp_ft"`` entry (the committed step count, every group's data position)
+        among the entries: checked with the others before anything changes, and loaded after the loaders.
 
-        The loaders' entries hold the positions of the group that wrote the file; this group's own row of the
-        positions table overrides them, so every group of a cold-started job continues its own shard.
+        This group takes its own row of the positions table: the loaders' entries hold the positions of the group
+        that wrote the file, so every group of a cold-started job continues its own shard. A load without a state
+        dict changes nothing (the entry is returned with the rest).
         """
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
-        saved = remainder.pop(CHECKPOINT_KEY, None) if isinstance(remainder, dict) else None
-        if saved is not None:
-            _ReplicaGroupState(self).load_state_dict(saved)
-        return remainder
+        if isinstance(state, dict) and state and CHECKPOINT_KEY not in state:
+            state = {**state, CHECKPOINT_KEY: _ReplicaGroupState(self)}
+        with self._waiting_on_others():
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)  # type: ignore[misc]
 
     # ---- healing ----------------------------------------------------------------------------------------
 
@@ -372,24 +489,21 @@ class FaultTolerantStrategy(ReplicaGroups, DDPStrategy):
     (``all_reduce``, ``barrier``, ...) and ``global_rank``/``world_size`` are those of the group; the
     distributed sampler shards the data over (replica group, rank in the group).
 
-    Args:
+    Args (keyword only; timeouts in seconds or as a ``timedelta``):
         min_replica_size: the fewest replica groups a step may commit with.
-        quorum_timeout: how long a step waits for the quorum.
-        replica_timeout: how long a collective across groups, a commit or a healing transfer may take.
-        replica_process_group: the torchft process group across groups (by default ``ProcessGroupGloo``, or
-            ``ProcessGroupNCCL`` on CUDA devices).
+        step_timeout: how long a step of this group may make no progress before its rank is ended, with a report of
+            where it was, so that its launcher restarts the group and it heals (3 minutes; None: no bound). Waits on
+            other groups and on storage are not counted, nor is the first step of a process.
+        quorum_timeout: how long a step waits for the quorum, including a lighthouse that is away and comes back
+            (default: ``step_timeout`` + 60 s; at least ``step_timeout`` + 30 s, to outlast a hung group's end).
+        replica_timeout: how long a collective across groups, a commit or a healing transfer may take (default and
+            lower bound as for ``quorum_timeout``).
+        replica_process_group: the torchft process group across groups (by default gloo on the job's address, or
+            torchft's ``ProcessGroupNCCL`` on CUDA devices).
         **kwargs: as for :class:`~fabric.strategies.ddp.DDPStrategy` (not a comm hook: this strategy installs its own).
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        min_replica_size: int = 1,
-        quorum_timeout: timedelta = timedelta(seconds=60),
-        replica_timeout: timedelta = timedelta(seconds=60),
-        replica_process_group: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         for name in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{name} cannot be given to the 'ddp_ft' strategy: it installs its own comm hook")
@@ -398,7 +512,6 @@ class FaultTolerantStrategy(ReplicaGroups, DDPStrategy):
         # from its peers', and the per-bucket all-reduce across groups would add unlike gradients
         kwargs["find_unused_parameters"] = True
         super().__init__(*args, **kwargs)
-        self._init_replica_groups(min_replica_size, quorum_timeout, replica_timeout, replica_process_group)
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -420,22 +533,15 @@ class HSDPFaultTolerantStrategy(ReplicaGroups, FSDPStrategy):
     number of ranks (rank r heals from rank r's shards). Otherwise as :class:`FaultTolerantStrategy`.
 
     Args:
-        min_replica_size, quorum_timeout, replica_timeout, replica_process_group: as for ``FaultTolerantStrategy``.
+        min_replica_size, step_timeout, quorum_timeout, replica_timeout, replica_process_group: as for
+            ``FaultTolerantStrategy``.
         **kwargs: as for :class:`~fabric.strategies.fsdp.FSDPStrategy` (sharding inside the group: "FULL_SHARD"
             or "SHARD_GRAD_OP").
     """
 
     _strategy_name = "hsdp_ft"
 
-    def __init__(
-        self,
-        *args: Any,
-        min_replica_size: int = 1,
-        quorum_timeout: timedelta = timedelta(seconds=60),
-        replica_timeout: timedelta = timedelta(seconds=60),
-        replica_process_group: Any = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         _check_popen(kwargs, "hsdp_ft")
         sharding = str(getattr(kwargs.get("sharding_strategy", "FULL_SHARD"), "name", kwargs.get("sharding_strategy", "FULL_SHARD"))).upper()
         if sharding not in ("FULL_SHARD", "SHARD_GRAD_OP"):
@@ -444,7 +550,6 @@ class HSDPFaultTolerantStrategy(ReplicaGroups, FSDPStrategy):
                 " replicates across groups itself); accepted: 'FULL_SHARD', 'SHARD_GRAD_OP'"
             )
         super().__init__(*args, **kwargs)
-        self._init_replica_groups(min_replica_size, quorum_timeout, replica_timeout, replica_process_group)
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -469,6 +574,40 @@ class HSDPFaultTolerantStrategy(ReplicaGroups, FSDPStrategy):
 
     def __repr__(self) -> str:
         return f"HSDPFaultTolerantStrategy(min_replica_size={self._min_replica_size})"
+
+
+def _as_timedelta(name: str, value: Any) -> timedelta:
+    """A timeout given in seconds or as a ``timedelta``, checked."""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise TypeError(f"{name}={value!r} is not valid; accepted: seconds (a number > 0) or a datetime.timedelta")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{name}={value!r} is not valid; accepted: a finite time > 0 (seconds or a datetime.timedelta)")
+    return timedelta(seconds=seconds)
+
+
+@contextmanager
+def _manager_server_on(torchft: Any, host: str) -> Iterator[None]:
+    """While torchft's ``Manager`` is built: its manager server (group rank 0) listens on ``host`` only.
+
+    torchft binds it to every interface (``[::]``) and takes only the address it advertises (``hostname``) as an
+    argument; the bind is the one value it does not take, so the constructor it calls gets it here.
+    """
+    real = torchft.manager.ManagerServer
+    bind = f"[{host}]:0" if ":" in host else f"{host}:0"
+
+    def on_host(*args: Any, **kwargs: Any) -> Any:
+        kwargs["bind"] = bind
+        return real(*args, **kwargs)
+
+    torchft.manager.ManagerServer = on_host
+    try:
+        yield
+    finally:
+        torchft.manager.ManagerServer = real
 
 
 def _check_popen(kwargs: dict[str, Any], name: str) -> None:
@@ -529,9 +668,14 @@ def _shaped_like_parameters(optimizer: Optimizer, state_dict: dict[str, Any]) ->
 
 
 class _ReplicaGroupState:
-    """The strategy's entry in a checkpoint: per rank, the committed step count and the positions table."""
+    """The strategy's entry in a checkpoint: per rank, the committed step count and the positions table.
+
+    An entry of the load walk like any other: checked before anything changes (a table of another shape is refused
+    with the model and optimizer untouched), and optional (a checkpoint of a plain DDP job has none).
+    """
 
     per_rank_state = True
+    optional_entry = True
 
     def __init__(self, strategy: Any) -> None:  # a ReplicaGroups strategy
         self._strategy = strategy
@@ -545,9 +689,26 @@ class _ReplicaGroupState:
             "positions": positions.table.clone() if positions is not None else None,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def check_state_dict(self, state_dict: Any) -> dict[str, Any]:
+        """This rank's saved state, if it fits this job (ValueError naming what does not)."""
         strategy = self._strategy
-        state = state_of_rank(state_dict, strategy.global_rank, strategy.world_size, "'ddp_ft' replica group state")
+        try:
+            state = state_of_rank(state_dict, strategy.global_rank, strategy.world_size, "'ddp_ft' replica group state")
+        except CheckpointMismatchError as err:
+            raise ValueError(str(err)) from None
+        if not isinstance(state, dict) or not {"committed_steps", "batches_committed", "positions"} <= set(state):
+            raise ValueError(
+                "the saved replica group state is not {'committed_steps', 'batches_committed', 'positions'}; was it"
+                " written by fabric's ddp_ft or hsdp_ft strategy?"
+            )
+        positions = strategy._positions
+        if positions is not None and state["positions"] is not None:
+            positions.check_shape(state["positions"])
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = self.check_state_dict(state_dict)
+        strategy = self._strategy
         positions = strategy._positions
         if positions is not None and state["positions"] is not None:
             positions.restore(state["positions"])
@@ -565,7 +726,8 @@ def _ddp_average_across_groups(strategy, bucket):  # type: ignore[no-untyped-def
     if strategy.world_size > 1:
         dist.all_reduce(buffer)
         buffer.div_(strategy.world_size)
-    strategy.manager.allreduce(buffer).wait()
+    with strategy._waiting_on_others():
+        strategy.manager.allreduce(buffer).wait()
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(buffer)
     return done

@@ -53,6 +53,8 @@ __all__ = [
     "read_failures",
     "record_failure",
     "remove_job_dir",
+    "where_rank_is",
+    "where_this_process_is",
 ]
 
 #: Environment variable naming the job folder (created by the launcher) to the ranks it starts.
@@ -435,3 +437,15 @@ def _main_thread_frames(dump: str, ident: int) -> list[Frame] | None:
     if frames is None and len(threads) == 1:
         frames = next(iter(threads.values()))
     return list(reversed(frames)) if frames is not None else None  # faulthandler lists innermost first
+
+
+def where_rank_is(job_dir: str | None, rank: int, pid: int, wait: float = DUMP_WAIT_S) -> str | None:
+    """Where a running rank's main thread is (``file:line in function (source)``), or None if it did not answer."""
+    frames = _collect_stacks(job_dir, {rank: pid}, wait).get(rank)
+    return _where(frames) if frames else None
+
+
+def where_this_process_is() -> str | None:
+    """Where this process's main thread is, read directly (for a watcher thread of the process itself)."""
+    frames = _own_main_frames()
+    return _where(frames) if frames else None

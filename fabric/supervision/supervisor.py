@@ -50,6 +50,7 @@ from fabric.supervision.diagnosis import (
     remove_job_dir,
 )
 from fabric.supervision.signals import SignalForwarding, SignalPipe
+from fabric.supervision.step_watch import StepWatchReader, describe_stall
 
 __all__ = [
     "GRACE_S",
@@ -336,6 +337,9 @@ class Supervisor:
         self.attempts = 0
         self._ended_at: dict[int, float] = {}
         self._lock = threading.Lock()
+        self._steps = StepWatchReader(None)
+        #: the highest committed step count a rank reported over every attempt (``step_watch``)
+        self.committed_steps = 0
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -344,6 +348,7 @@ class Supervisor:
         self.close()
         job_dir = self.job_dir = create_job_dir()
         self.ranks, self._ended_at = [], {}
+        self._steps = StepWatchReader(job_dir)
         self.attempts += 1
         if self.forwarding is not None:
             self.forwarding.reset()
@@ -416,6 +421,9 @@ class Supervisor:
                 return JobResult(forwarded=forwarded)
             if forwarding is not None and forwarding.overdue():
                 return JobResult(signal=signal.SIGTERM, forwarded=forwarded)
+            stalled = self._end_a_stalled_rank()
+            if stalled is not None:
+                return replace(stalled, forwarded=forwarded)
             stopped = should_stop() if should_stop is not None else None
             if stopped is not None:
                 return stopped
@@ -430,6 +438,8 @@ class Supervisor:
         """Release descriptors and the job folder (call after :meth:`stop`)."""
         for handle in self.ranks:
             handle.close()
+        self.committed_steps = max(self.committed_steps, self._steps.committed)
+        self._steps.close()
         remove_job_dir(self.job_dir)
         self.job_dir = None
 
@@ -537,6 +547,18 @@ class Supervisor:
             return f"fabric: could not diagnose the failure ({type(err).__name__}: {err})"
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _end_a_stalled_rank(self) -> JobResult | None:
+        """A rank whose step made no progress beyond its ``step_timeout`` (``step_watch``): ended at once with SIGKILL
+        (a hung rank may never act on SIGTERM), after its stack was asked for; the report says where it was."""
+        running = {h.rank: h.pid for h, state in self._states() if state is RankState.RUNNING and h.pid is not None}
+        stall = self._steps.look(running)
+        if stall is None:
+            return None
+        handle = self.rank(stall.rank)
+        report = describe_stall(stall, self._steps.where(stall, running[stall.rank]))
+        kill_process_groups([running[stall.rank]], signal.SIGKILL, GRACE_S, reap=self._exit_codes)
+        return JobResult(failure=self.failure_of(handle), diagnosis=report)
 
     def _exit_codes(self) -> list[int | None]:
         codes = [handle.poll() for handle in self.ranks]
