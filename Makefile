@@ -24,9 +24,10 @@ $(TEST_STAMP): pyproject.toml constraints.txt | $(PYTHON)
 
 venv: $(TEST_STAMP)
 
-## The main job: the example training run as a 2-process DDP job on the CPU.
+## The main job: the example training run as a 2-process DDP job on the CPU. ARGS go to the script:
+## `make demo ARGS=--resume` continues the last run, `make demo ARGS='--resume --epochs 12'` trains it on.
 demo: $(DEMO_STAMP)
-	$(PYTHON) examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp
+	$(PYTHON) examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp $(ARGS)
 
 ## Lint (ruff: the package, tests, benchmarks and examples) and type checks (mypy: the package); configured in pyproject.toml.
 check: venv

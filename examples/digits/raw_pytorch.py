@@ -94,8 +94,37 @@ def evaluate(model: nn.Module, val_loader: DataLoader, device: torch.device) -> 
     return metric.compute()
 
 
+def how_to_add(options: str) -> str:
+    return f"add {options} to the command"
+
+
+def starting_note(checkpoint: Path, resumed: bool, start_epoch: int, epochs: int) -> str | None:
+    """What to say before training. A run that starts over where a checkpoint is says so (its first epoch replaces
+    it) and how to continue that run instead; a resumed run says where it goes on, or that it has nothing left."""
+    if resumed and start_epoch >= epochs:
+        return (
+            f"The run in {checkpoint} has finished its {start_epoch} epochs: nothing to train."
+            f" To train on: {how_to_add(f'--resume --epochs {start_epoch + 4}')}"
+        )
+    if resumed:
+        return f"Resuming from {checkpoint} after epoch {start_epoch} of {epochs}"
+    if checkpoint.exists():
+        return (
+            f"Starting over: {checkpoint} holds an earlier run, which this run's first epoch replaces."
+            f" To continue that run instead: {how_to_add('--resume')}"
+        )
+    return None
+
+
+def no_checkpoint_to_resume(checkpoint: Path) -> str:
+    return f"--resume: there is no checkpoint at {checkpoint} (without --resume a new run starts and writes one)"
+
+
 def main(args: argparse.Namespace) -> dict:
     out = Path(args.out)
+    checkpoint = out / "checkpoint.pt"
+    if args.resume and not checkpoint.exists():
+        raise SystemExit(no_checkpoint_to_resume(checkpoint))
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -109,17 +138,16 @@ def main(args: argparse.Namespace) -> dict:
     model = make_model().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
-    checkpoint = out / "checkpoint.pt"
     state = {"epoch": 0, "history": {"train_loss": [], "val_acc": []}}
     if args.resume:
-        if not checkpoint.exists():
-            raise FileNotFoundError(f"--resume: there is no checkpoint at {checkpoint}")
         saved = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         state = {"epoch": saved["epoch"], "history": saved["history"]}
-        print(f"Resuming from {checkpoint} after epoch {state['epoch']}")
     start_epoch, history = state["epoch"], state["history"]
+    note = starting_note(checkpoint, args.resume, start_epoch, args.epochs)
+    if note:
+        print(note)
 
     started = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
@@ -157,7 +185,8 @@ def main(args: argparse.Namespace) -> dict:
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"Final validation accuracy: {100 * accuracy:.1f}% over {total} images")
     print(f"Loss curve:  {plot}")
-    print(f"Checkpoint:  {checkpoint}  (continue with --resume)")
+    print(f"Checkpoint:  {checkpoint}  (after epoch {args.epochs})")
+    print(f"To train on: {how_to_add(f'--resume --epochs {args.epochs + 4}')}")
     return results
 
 

@@ -7,9 +7,11 @@ line Fabric changes. With Fabric the loop runs unchanged on 1 CPU, N processes, 
     python examples/digits/train_fabric.py --accelerator cpu --devices 2 --strategy ddp
     fabric-torch run --accelerator cpu --devices 2 examples/digits/train_fabric.py      # the same, via the CLI
     python examples/digits/train_fabric.py --resume                               # continue the last run
+    make demo ARGS=--resume                                                       # the same, for `make demo`
 
-Needs ``pip install fabric-torch[examples]`` (scikit-learn, matplotlib, tqdm). Writes to ``--out``:
-a checkpoint after every epoch, ``loss_curve.png``, CSV logs and ``results.json``.
+Needs the ``examples`` extra (scikit-learn, matplotlib, tqdm: ``pip install -e '.[examples]'`` in a checkout).
+Writes to ``--out``: a checkpoint after every epoch (a run that starts over where one is says so first),
+``loss_curve.png``, CSV logs and ``results.json``.
 """
 
 from __future__ import annotations
@@ -108,8 +110,38 @@ def evaluate(fabric: Fabric, model: nn.Module, val_loader: DataLoader) -> tuple[
     return metric.compute(fabric)
 
 
+def how_to_add(options: str) -> str:
+    quoted = f"'{options}'" if " " in options else options
+    return f"add {options} to the command; with make: make demo ARGS={quoted}"
+
+
+def starting_note(checkpoint: Path, resumed: bool, start_epoch: int, epochs: int) -> str | None:
+    """What to say before training. A run that starts over where a checkpoint is says so (its first epoch replaces
+    it) and how to continue that run instead; a resumed run says where it goes on, or that it has nothing left."""
+    if resumed and start_epoch >= epochs:
+        return (
+            f"The run in {checkpoint} has finished its {start_epoch} epochs: nothing to train."
+            f" To train on: {how_to_add(f'--resume --epochs {start_epoch + 4}')}"
+        )
+    if resumed:
+        return f"Resuming from {checkpoint} after epoch {start_epoch} of {epochs}"
+    if checkpoint.exists():
+        return (
+            f"Starting over: {checkpoint} holds an earlier run, which this run's first epoch replaces."
+            f" To continue that run instead: {how_to_add('--resume')}"
+        )
+    return None
+
+
+def no_checkpoint_to_resume(checkpoint: Path) -> str:
+    return f"--resume: there is no checkpoint at {checkpoint} (without --resume a new run starts and writes one)"
+
+
 def main(args: argparse.Namespace) -> dict:
     out = Path(args.out)
+    checkpoint = out / "checkpoint.pt"
+    if args.resume and not checkpoint.exists():  # said once, before any other process starts
+        raise SystemExit(no_checkpoint_to_resume(checkpoint))
     devices = int(args.devices) if str(args.devices).lstrip("-").isdigit() else args.devices
     fabric = Fabric(
         accelerator=args.accelerator,
@@ -133,14 +165,14 @@ def main(args: argparse.Namespace) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     model, optimizer = fabric.setup(model, optimizer)
 
-    checkpoint = out / "checkpoint.pt"
-    state = {"model": model, "optimizer": optimizer, "epoch": 0, "history": {"train_loss": [], "val_acc": []}}
+    # the loader's position (its epoch's shuffle) too, so that a resumed run draws the batches this one would have
+    state = {"model": model, "optimizer": optimizer, "loader": train_loader, "epoch": 0, "history": {"train_loss": [], "val_acc": []}}
     if args.resume:
-        if not checkpoint.exists():
-            raise FileNotFoundError(f"--resume: there is no checkpoint at {checkpoint}")
         fabric.load(checkpoint, state)
-        fabric.print(f"Resuming from {checkpoint} after epoch {state['epoch']}")
     start_epoch, history = state["epoch"], state["history"]
+    note = starting_note(checkpoint, args.resume, start_epoch, args.epochs)
+    if note:
+        fabric.print(note)
 
     started = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
@@ -182,8 +214,10 @@ def main(args: argparse.Namespace) -> dict:
         (out / "results.json").write_text(json.dumps(results, indent=2))
         print(f"Final validation accuracy: {100 * accuracy:.1f}% over {total} images, {fabric.world_size} process(es)")
         print(f"Loss curve:  {plot}")
-        print(f"Checkpoint:  {checkpoint}  (continue with --resume)")
-        print(f"CSV logs:    {fabric.logger.log_dir}")
+        print(f"Checkpoint:  {checkpoint}  (after epoch {args.epochs})")
+        print(f"To train on: {how_to_add(f'--resume --epochs {args.epochs + 4}')}")
+        logs = Path(fabric.logger.log_dir)
+        print(f"CSV logs:    {logs}" if logs.is_dir() else "CSV logs:    none from this run (it trained no step)")
     return results
 
 
