@@ -33,11 +33,11 @@ from fabric.input_types import (
     PrecisionInput,
     StrategyInput,
 )
-from fabric.launching import check_launch_request, do_nothing
-from fabric.setup_inputs import check_optimizers, prepare_dataloader, prepare_module, wrap_module
+from fabric.launching import check_launch_request, check_takes_fabric, do_nothing
+from fabric.setup_inputs import check_optimizers, check_scheduler, prepare_dataloader, prepare_module, wrap_module
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.apply_func import CPU, as_moved_to_cpu, convert_tensors_to_scalars, convert_to_tensors, move_data_to_device
-from fabric.utilities.rank_zero import set_rank_zero_rank
+from fabric.utilities.rank_zero import rank_zero_deprecation, set_rank_zero_rank
 from fabric.utilities.seed import seed_everything as _seed_everything
 from fabric.wrappers import FabricModule, FabricOptimizer, plain_backward, unwrap, unwrap_state, write_back_plain_values
 
@@ -59,6 +59,7 @@ class Fabric:
 
     def __init__(
         self,
+        *,
         accelerator: AcceleratorInput = "auto",
         strategy: StrategyInput = "auto",
         devices: DevicesInput = "auto",
@@ -80,7 +81,6 @@ class Fabric:
         self._callbacks = callbacks_from_argument(callbacks)
         self._loggers = loggers_from_argument(loggers)
         self._launched = False  # launch() was called, or the process was set up on first use
-        self._launch_called = False
         self._plain_backward = plain_backward(self._strategy)  # the precision plugin is fixed from here on
         self._device_is_cpu: bool | None = None  # found on the first to_device(): a rank's device may not exist yet
         if started_by_a_cli():
@@ -88,6 +88,8 @@ class Fabric:
             # does under its CLI,
             # so the script may use torch.distributed (or a collective) straight after creating Fabric
             self._set_up_process()
+        # ``fabric.run(*args)`` launches, then runs the (overridden) method in every process, as in Lightning Fabric
+        self.run = partial(self._launch_run, type(self).run)  # type: ignore[method-assign]
 
     # ---- properties -------------------------------------------------------------------------------
 
@@ -137,24 +139,40 @@ class Fabric:
 
     # ---- launching --------------------------------------------------------------------------------
 
-    def launch(self, function: Callable[..., Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def launch(self, function: Callable[..., Any] = do_nothing, *args: Any, **kwargs: Any) -> Any:
         """Start the processes of this strategy and set up each one.
 
         With start method "popen" (strategy "ddp"), call it without a function: the script itself is
         re-run for the other ranks. With "spawn"/"fork"/"forkserver", pass ``function``; each process
         runs ``function(fabric, *args, **kwargs)`` and rank 0's return value comes back here.
         Under an external launcher (torchrun, srun, mpirun, ``fabric-torch run``) nothing is started: the
-        process is only set up, and a script may leave ``launch()`` out altogether.
+        process is only set up, and a script may leave ``launch()`` out altogether. Calling it again is
+        allowed, as in Lightning Fabric: the processes already started are kept, and ``function`` runs again.
         """
-        if self._launch_called:
-            raise RuntimeError("Fabric.launch() was already called in this process; call it once")
         check_launch_request(self._strategy, function)
-        self._launch_called = True
-        to_run = partial(self._run_with_setup, function or do_nothing)
+        if function is do_nothing:
+            return self._launch(do_nothing)
+        check_takes_fabric(function)
+        return self._launch(function, self, *args, **kwargs)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Override it in a subclass to make the whole program one method (Lightning Fabric's older style).
+
+        ``MyFabric(...).run(*args)`` launches as ``launch`` does and calls the override with ``args`` in every
+        process; rank 0's return value comes back. ``Fabric`` itself has nothing to run.
+        """
+
+    def _launch_run(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        function = partial(run, self)
+        check_launch_request(self._strategy, function)
+        return self._launch(function, *args, **kwargs)
+
+    def _launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        to_run = partial(self._run_with_setup, function)
         launcher = self._strategy.launcher
         if launcher is None:
-            return to_run(*(() if function is None else (self, *args)), **kwargs)
-        return launcher.launch(to_run, *(() if function is None else (self, *args)), **kwargs)
+            return to_run(*args, **kwargs)
+        return launcher.launch(to_run, *args, **kwargs)
 
     def _run_with_setup(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._set_up_process()
@@ -186,30 +204,43 @@ class Fabric:
 
     # ---- set-up of the user's objects ---------------------------------------------------------------
 
-    def setup(self, module: Module, *optimizers: Optimizer, move_to_device: bool = True) -> Any:
+    def setup(
+        self,
+        module: Module,
+        *optimizers: Optimizer,
+        scheduler: Any | None = None,
+        move_to_device: bool = True,
+        _reapply_compile: bool = True,
+    ) -> Any:
         """Wrap ``module`` and ``optimizers`` for this strategy; returns them in the same order.
 
-        A module compiled with ``torch.compile`` is wrapped inside and compiled again with the same options.
+        A ``scheduler`` (an LR scheduler of one of the optimizers) comes back last, as it was given, as in
+        Lightning Fabric: ``model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)``.
+        A module compiled with ``torch.compile`` is wrapped inside and compiled again with the same options;
+        ``_reapply_compile=False`` lets the strategy wrap the compiled module instead.
         """
         self._check_launched("setup")
-        module, compile_context = prepare_module(module, self._strategy, move_to_device, optimizers)
+        check_scheduler(scheduler, optimizers)
+        module, original, compile_context = prepare_module(module, self._strategy, move_to_device, optimizers, _reapply_compile)
         wrapped, wrapped_optimizers = self._strategy.setup_module_and_optimizers(module, list(optimizers))
-        fabric_module = wrap_module(wrapped, module, self._strategy, compile_context)
-        lightning_module = self._register_lightning_module(module)  # before the optimizers read the callbacks' hooks
+        fabric_module = wrap_module(wrapped, original, self._strategy, compile_context)
+        lightning_module = self._register_lightning_module(original)  # before the optimizers read the callbacks' hooks
         fabric_optimizers = [FabricOptimizer(o, self._strategy, self._callbacks) for o in wrapped_optimizers]
         if lightning_module:
-            cast(Any, module)._fabric_optimizers = fabric_optimizers
+            cast(Any, original)._fabric_optimizers = fabric_optimizers
         self.call("on_after_setup", fabric=self, module=fabric_module)
         if not optimizers:
             return fabric_module
+        if scheduler is not None:
+            return (fabric_module, *fabric_optimizers, scheduler)
         return (fabric_module, *fabric_optimizers)
 
-    def setup_module(self, module: Module, move_to_device: bool = True) -> FabricModule:
+    def setup_module(self, module: Module, move_to_device: bool = True, _reapply_compile: bool = True) -> FabricModule:
         """Wrap ``module`` alone (optimizers can be set up later with ``setup_optimizers``)."""
         self._check_launched("setup_module")
-        module, compile_context = prepare_module(module, self._strategy, move_to_device)
-        fabric_module = wrap_module(self._strategy.setup_module(module), module, self._strategy, compile_context)
-        self._register_lightning_module(module)
+        module, original, compile_context = prepare_module(module, self._strategy, move_to_device, reapply_compile=_reapply_compile)
+        fabric_module = wrap_module(self._strategy.setup_module(module), original, self._strategy, compile_context)
+        self._register_lightning_module(original)
         return fabric_module
 
     def _register_lightning_module(self, module: Module) -> bool:
@@ -248,13 +279,23 @@ class Fabric:
 
     def backward(self, tensor: Tensor, *args: Any, model: FabricModule | None = None, **kwargs: Any) -> None:
         """``tensor.backward()`` with the precision's scaling and the strategy's gradient sync."""
-        if self._plain_backward:  # neither scales nor syncs by itself (DDP syncs in autograd hooks)
-            if args or kwargs:
-                tensor.backward(*args, **kwargs)
-            else:  # the common call: a plain call is cheaper than one that unpacks
-                tensor.backward()
-        else:
-            self._strategy.backward(tensor, model._forward_module if isinstance(model, FabricModule) else model, *args, **kwargs)
+        try:
+            if self._plain_backward:  # neither scales nor syncs by itself (DDP syncs in autograd hooks)
+                if args or kwargs:
+                    tensor.backward(*args, **kwargs)
+                else:  # the common call: a plain call is cheaper than one that unpacks
+                    tensor.backward()
+            else:
+                self._strategy.backward(tensor, model._forward_module if isinstance(model, FabricModule) else model, *args, **kwargs)
+        except RuntimeError:
+            if args or "gradient" in kwargs or not isinstance(tensor, Tensor) or not tensor.requires_grad or tensor.numel() == 1:
+                raise
+            # torch's "grad can be implicitly created only for scalar outputs" names no shape
+            raise RuntimeError(
+                f"fabric.backward() needs a scalar tensor (one element, such as a loss), got one of shape"
+                f" {tuple(tensor.shape)}; reduce it first (e.g. loss.mean() or loss.sum()), or pass the gradient to"
+                " back-propagate: fabric.backward(tensor, gradient)"
+            ) from None
 
     def clip_gradients(
         self,
@@ -333,6 +374,16 @@ class Fabric:
         """
         self._check_launched("init_module")
         return self._strategy.module_init_context(empty_init=empty_init)
+
+    def sharded_model(self) -> AbstractContextManager:
+        """Deprecated, as in Lightning Fabric, where ``init_module`` replaced it; it warns and does nothing here.
+
+        Lightning enters FSDP1's wrapping context for the modules created inside; our sharded strategies
+        (FSDP2's ``fully_shard``, model parallel) shard the whole module at ``setup``, so there is nothing to enter.
+        """
+        rank_zero_deprecation("Fabric.sharded_model() is deprecated; create the model under Fabric.init_module() instead")
+        self._check_launched("sharded_model")
+        return nullcontext()
 
     def init_tensor(self) -> AbstractContextManager:
         """Create tensors directly on the device and in the precision's dtype."""

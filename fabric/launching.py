@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -9,14 +10,17 @@ from typing import Any
 from fabric.strategies.strategy import Strategy
 
 
-def check_launch_request(strategy: Strategy, function: Callable[..., Any] | None) -> None:
-    """Raise for a ``launch(function)`` this strategy cannot run as asked."""
-    if function is not None and not callable(function):
-        raise TypeError(f"launch(function=...) takes a callable, got {function!r} ({type(function).__name__})")
+def check_launch_request(strategy: Strategy, function: Callable[..., Any]) -> None:
+    """Raise for a ``launch(function)`` this strategy cannot run as asked (``do_nothing``: no function given)."""
+    if not callable(function):
+        raise TypeError(
+            f"launch(function=...) takes a callable, got {function!r} ({type(function).__name__});"
+            " pass the function itself, launch(train), not launch(train()), or leave it out"
+        )
     launcher = strategy.launcher
     if launcher is None:
         return
-    if function is None and launcher.requires_function:
+    if function is do_nothing and launcher.requires_function:
         raise TypeError(
             f"The {type(strategy).__name__} with start method {strategy.start_method!r}"
             " starts new processes that need a function to run: call fabric.launch(function, *args)"
@@ -25,6 +29,20 @@ def check_launch_request(strategy: Strategy, function: Callable[..., Any] | None
         raise RuntimeError(
             f"{type(strategy).__name__} cannot be launched from an interactive session (notebook, REPL);"
             " use strategy='ddp_notebook' (fork) or run the code as a script"
+        )
+
+
+def check_takes_fabric(function: Callable[..., Any]) -> None:
+    """Refuse a ``launch(function)`` whose function takes no argument: every process passes it the ``Fabric``."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a callable without a signature to read (some builtins): let the call decide
+        return
+    if not parameters:
+        name = getattr(function, "__qualname__", repr(function))
+        raise TypeError(
+            f"launch(function=...) calls function(fabric, *args, **kwargs), but {name}() takes no argument;"
+            " give it a first parameter for the Fabric, e.g. def train(fabric): ..."
         )
 
 
@@ -43,5 +61,5 @@ def in_interactive_session() -> bool:
 
 
 def do_nothing(*args: Any, **kwargs: Any) -> None:
-    """What each process runs when ``launch()`` is called without a function (popen: the script goes on)."""
+    """``launch``'s default function: each process only gets set up (popen: the script goes on)."""
     return

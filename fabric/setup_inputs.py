@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from fabric.strategies.strategy import Strategy
 from fabric.utilities.compile import compile_again, split_compiled
@@ -23,21 +24,27 @@ def check_module(module: Any) -> None:
 
 
 def prepare_module(
-    module: Any, strategy: Strategy, move_to_device: bool, optimizers: Sequence[Any] = ()
-) -> tuple[Module, Any]:
-    """The user's module checked, converted to the precision and moved; with the options it was compiled with.
+    module: Any, strategy: Strategy, move_to_device: bool, optimizers: Sequence[Any] = (), reapply_compile: bool = True
+) -> tuple[Module, Module, Any]:
+    """``(module for the strategy, the user's module, compile options)``: checked, converted to the precision, moved.
 
     The ``optimizers`` set up with it are checked too, before the module is changed. A ``torch.compile``-d
     module is taken apart: the strategy wraps the module inside, which :func:`wrap_module` compiles again
-    with the same options (None: it was not compiled).
+    with the same options (None: it was not compiled). With ``reapply_compile=False`` (Lightning's
+    ``_reapply_compile``, for when compiling the strategy's wrapper fails) the strategy wraps the compiled
+    module as it is; the user's module inside still names the state-dict keys.
     """
-    module, compile_context = split_compiled(module)
-    check_module(module)
+    inner, compile_context = split_compiled(module)
+    check_module(inner)
     check_optimizers(optimizers)
+    if not reapply_compile:
+        compile_context = None
+    else:
+        module = inner
     module = strategy.precision.convert_module(module)
     if move_to_device:
         strategy.module_to_device(module)
-    return module, compile_context
+    return module, inner, compile_context
 
 
 def wrap_module(wrapped: Module, module: Module, strategy: Strategy, compile_context: Any) -> FabricModule:
@@ -51,8 +58,29 @@ def check_optimizers(optimizers: Sequence[Any]) -> None:
     for optimizer in optimizers:
         if isinstance(optimizer, FabricOptimizer):
             raise ValueError("This optimizer was already set up; pass each optimizer to setup() once")
+        if isinstance(optimizer, LRScheduler):
+            raise TypeError(
+                f"setup() takes the optimizers positionally, got a learning-rate scheduler ({type(optimizer).__name__});"
+                " pass it by name: fabric.setup(model, optimizer, scheduler=scheduler)"
+            )
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"setup() takes torch.optim.Optimizer instances, got {type(optimizer).__name__}")
+
+
+def check_scheduler(scheduler: Any, optimizers: Sequence[Any]) -> None:
+    """A scheduler comes back from ``setup`` after the optimizers it steps; without them it would be dropped."""
+    if scheduler is None:
+        return
+    if not callable(getattr(scheduler, "step", None)):
+        raise TypeError(
+            f"setup(scheduler=...) takes a learning-rate scheduler (an object with a step() method, e.g."
+            f" torch.optim.lr_scheduler.StepLR), got {type(scheduler).__name__}"
+        )
+    if not optimizers:
+        raise ValueError(
+            f"setup(model, scheduler=...) got a {type(scheduler).__name__} but no optimizer; pass the optimizer(s)"
+            " it steps too: fabric.setup(model, optimizer, scheduler=scheduler)"
+        )
 
 
 def prepare_dataloader(

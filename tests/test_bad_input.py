@@ -108,6 +108,55 @@ def test_setup_twice():
     assert_unchanged(model, optimizer, before)
 
 
+def scheduled_pair() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    model, optimizer = trained_pair()
+    return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+
+
+def test_setup_of_a_scheduler_without_its_optimizer():
+    """Lightning 2.6.6 returns the module alone and drops the scheduler (README "Differences from Lightning Fabric")."""
+    model, optimizer, scheduler = scheduled_pair()
+    before = snapshot(model, optimizer)
+    with pytest.raises(ValueError, match=r"got a StepLR but no optimizer.*fabric\.setup\(model, optimizer, scheduler=scheduler\)"):
+        cpu_fabric().setup(model, scheduler=scheduler)
+    assert_unchanged(model, optimizer, before)
+
+
+def test_setup_of_a_scheduler_among_the_optimizers():
+    """Lightning 2.6.6 wraps the scheduler as if it were an optimizer (a ``FabricStepLR``)."""
+    model, optimizer, scheduler = scheduled_pair()
+    with pytest.raises(TypeError, match=r"got a learning-rate scheduler \(StepLR\); pass it by name: .*scheduler=scheduler"):
+        cpu_fabric().setup(model, optimizer, scheduler)
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", 0.5])
+def test_setup_of_a_scheduler_that_is_not_one(scheduler):
+    """Lightning 2.6.6 hands ``scheduler="cosine"`` back as it is."""
+    model, optimizer = trained_pair()
+    with pytest.raises(TypeError, match=rf"setup\(scheduler=...\) takes a learning-rate scheduler .* got {type(scheduler).__name__}"):
+        cpu_fabric().setup(model, optimizer, scheduler=scheduler)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "64-true"])
+def test_backward_of_a_tensor_that_is_not_a_scalar(precision):
+    """Lightning 2.6.6 gives torch's "grad can be implicitly created only for scalar outputs", naming no shape."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision)
+    model = fabric.setup(nn.Linear(2, 3))
+    output = model(torch.ones(4, 2))
+    with pytest.raises(RuntimeError, match=r"needs a scalar tensor .* got one of shape \(4, 3\); reduce it first \(e\.g\. loss\.mean\(\)") as info:
+        fabric.backward(output)
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # one message, not torch's under it
+    assert model.weight.grad is None
+    fabric.backward(output, torch.ones_like(output))  # with its gradient, as torch allows
+    fabric.backward(model(torch.ones(1, 2))[:, :1])  # one element: a scalar enough
+    assert model.weight.grad is not None
+
+
+def test_backward_errors_of_other_kinds_stay_torchs():
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        cpu_fabric().backward(torch.ones(3))
+
+
 @pytest.mark.parametrize(
     ("name", "call"),
     [
@@ -354,4 +403,6 @@ def test_mismatched_collective_shapes_are_named_in_torch_debug_mode(tmp_path):
     env = job_environment(TORCH_DISTRIBUTED_DEBUG="DETAIL")
     result = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert result.returncode != 0
-    assert "OpType=ALLREDUCE" in result.stderr and "Tensor shapes: 3vs 4" in result.stderr, result.stderr[-3000:]
+    # whichever rank's report comes first names the shapes, its own first
+    shapes_named = "Tensor shapes: 3vs 4" in result.stderr or "Tensor shapes: 4vs 3" in result.stderr
+    assert "OpType=ALLREDUCE" in result.stderr and shapes_named, result.stderr[-3000:]

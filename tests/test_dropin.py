@@ -1,15 +1,23 @@
-"""Behaviour a Lightning Fabric user relies on when switching the import: wrappers, callbacks, helpers, errors.
+"""Behaviour a Lightning Fabric user relies on when switching the import: signatures, wrappers, callbacks, helpers, errors.
 
 Each test pins one public behaviour of Lightning Fabric 2.6.6 (or a deliberate, documented difference:
-README "Differences from Lightning Fabric").
+README "Differences from Lightning Fabric"). Where a test says "observed", the same calls were run with
+lightning-fabric 2.6.6 on torch 2.13.0 (CPU) in a scratch environment and gave what the test asserts.
+
+The signatures of Lightning's ``Fabric`` are in ``support/lightning_fabric_2_6_6_signatures.json``, written
+by ``scripts/lightning_signatures.py`` (its docstring says how to regenerate it); Lightning itself is never
+imported here.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import os
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -19,12 +27,28 @@ from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from fabric import Fabric
 from fabric.strategies import DataParallelStrategy
+from fabric.utilities.rank_zero import LightningDeprecationWarning
 from fabric.wrappers import is_wrapped, unwrap
+from support import TESTS
 from support.environment import isolate, job_environment
 from support.loading import script_path
+from support.public_members import describe
 from support.scripts.ddp import dropin_checks
 
 pytestmark = pytest.mark.usefixtures("clean_fabric_env")
+
+LIGHTNING_SIGNATURES = TESTS / "support" / "lightning_fabric_2_6_6_signatures.json"
+
+#: Our public members that Lightning's Fabric lacks, each with the reason we add it.
+EXTRA_MEMBERS = {
+    "batch_to_device": "moves a batch as the strategy does (DataParallel keeps it on the CPU); Lightning has it on its strategies only",
+    "reduce_boolean_decision": "the strategy's agreement on one flag, e.g. any rank asks to stop; Lightning has it on its strategies only",
+    "preempted": "a collective flag: the cluster warned a rank that it will take the machine (docs/preemption.md)",
+}
+#: Our parameters that Lightning's methods lack, each with the reason; they come after Lightning's, with defaults.
+EXTRA_PARAMETERS = {
+    ("save", "async_save"): "writes the checkpoint in the background once the tensors are copied off",
+}
 
 
 def cpu_fabric(**kwargs) -> Fabric:
@@ -37,6 +61,187 @@ def dp_fabric() -> Fabric:
     (On a machine with a GPU, DataParallel always uses the GPUs, so the test does too.)
     """
     return Fabric(accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, strategy=DataParallelStrategy())
+
+
+# ---- Lightning Fabric 2.6.6's public API, member by member ----------------------------------------------
+
+
+def lightning_members() -> dict[str, dict]:
+    record = json.loads(LIGHTNING_SIGNATURES.read_text())
+    assert (record["package"], record["version"], record["class"]) == ("lightning-fabric", "2.6.6", "lightning_fabric.Fabric")
+    return record["members"]
+
+
+def test_every_lightning_member_is_here_with_its_kind():
+    ours, theirs = describe(Fabric), lightning_members()
+    assert len(theirs) > 30  # the file really lists Fabric's members
+    missing = sorted(set(theirs) - set(ours))
+    assert not missing, f"Lightning Fabric 2.6.6 has these public members and we do not: {missing}"
+    for name, member in theirs.items():
+        assert ours[name]["kind"] == member["kind"], name
+        if member["kind"] == "property":
+            assert ours[name]["settable"] == member["settable"], name
+    unexplained = sorted(set(ours) - set(theirs) - set(EXTRA_MEMBERS))
+    assert not unexplained, f"public members Lightning lacks: add each to EXTRA_MEMBERS with its reason: {unexplained}"
+    assert set(EXTRA_MEMBERS) <= set(ours) - set(theirs)  # no stale entry
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in json.loads(LIGHTNING_SIGNATURES.read_text())["members"].items() if "parameters" in m))
+def test_every_lightning_parameter_has_the_same_name_kind_and_default(name):
+    theirs = lightning_members()[name]["parameters"]
+    ours = describe(Fabric)[name]["parameters"]
+    extras = [p for p in ours if (name, p["name"]) in EXTRA_PARAMETERS]
+    assert [p for p in ours if p not in extras] == theirs, f"Fabric.{name}: parameters differ from Lightning Fabric 2.6.6's"
+    variadic_keywords = [i for i, p in enumerate(ours) if p["kind"] == "VAR_KEYWORD"]
+    last_of_theirs = max((ours.index(p) for p in theirs if p["kind"] != "VAR_KEYWORD"), default=-1)
+    for extra in extras:  # an addition never shifts or captures an argument written for Lightning
+        assert ours.index(extra) > last_of_theirs, (name, extra)
+        assert extra["kind"] == "KEYWORD_ONLY" or extra["default"] is not None, (name, extra)
+        assert not variadic_keywords or ours.index(extra) < variadic_keywords[0], (name, extra)
+
+
+def test_extra_parameters_are_ours_alone():
+    theirs = lightning_members()
+    for member, parameter in EXTRA_PARAMETERS:
+        assert parameter not in [p["name"] for p in theirs[member]["parameters"]]
+        assert parameter in inspect.signature(getattr(Fabric, member)).parameters
+
+
+def test_the_constructor_takes_keywords_only():
+    """Observed: ``lightning_fabric.Fabric("cpu")`` raises TypeError (every argument is keyword-only)."""
+    with pytest.raises(TypeError, match="positional"):
+        Fabric("cpu")  # type: ignore[misc]
+
+
+# ---- setup(..., scheduler=) and _reapply_compile, side by side with Lightning ----------------------------------------
+
+
+def model_and_sgd(lr: float = 1.0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Linear(2, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def test_setup_returns_the_scheduler_last_as_given():
+    """Observed on lightning-fabric 2.6.6: ``setup(model, opt, scheduler=s)`` returns ``(module, opt, s)``, ``s`` itself
+    (not wrapped); with two optimizers ``(module, opt1, opt2, s)``; ``scheduler=None`` adds nothing; after
+    ``optimizer.step(); scheduler.step()`` the learning rate is 0.5 (StepLR, gamma 0.5) and nothing warns."""
+    fabric = cpu_fabric()
+    model, optimizer = model_and_sgd()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    returned = fabric.setup(model, optimizer, scheduler=scheduler)
+    assert len(returned) == 3 and returned[2] is scheduler and scheduler.optimizer is optimizer
+    wrapped_model, wrapped_optimizer, _ = returned
+    assert unwrap(wrapped_model) is model and wrapped_optimizer.optimizer is optimizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "lr_scheduler.step() before optimizer.step()"
+        fabric.backward(wrapped_model(torch.ones(1, 2)).sum())
+        wrapped_optimizer.step()
+        scheduler.step()
+    assert wrapped_optimizer.param_groups[0]["lr"] == 0.5 == optimizer.param_groups[0]["lr"]
+
+    model, first = model_and_sgd()
+    second = torch.optim.Adam(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)
+    returned = fabric.setup(model, first, second, scheduler=scheduler)
+    assert [type(x).__name__ for x in returned] == ["FabricModule", "FabricSGD", "FabricAdam", "StepLR"]
+    assert returned[3] is scheduler
+    assert len(fabric.setup(*model_and_sgd(), scheduler=None)) == 2
+
+
+def test_setup_with_reapply_compile_false_wraps_the_compiled_module_as_it_is():
+    """Lightning's ``_reapply_compile=False`` (observed on 2.6.6: the forward module is the user's ``OptimizedModule``, not
+    compiled again). There its ``.module`` raises TypeError and its keys start with ``_orig_mod.``; here ``.module`` is
+    the user's model and the keys are the model's (README "Differences from Lightning Fabric")."""
+    for setup in (lambda f, m: f.setup(m, _reapply_compile=False), lambda f, m: f.setup_module(m, True, False)):
+        plain = nn.Linear(2, 2)
+        compiled = torch.compile(plain, backend="eager")
+        model = setup(cpu_fabric(), compiled)
+        assert model._forward_module is compiled and model.module is plain
+        assert sorted(model.state_dict()) == ["bias", "weight"]
+        torch.testing.assert_close(model(torch.ones(1, 2)), plain(torch.ones(1, 2)))
+
+
+def test_the_same_module_set_up_twice_on_one_device_gets_a_second_wrapper():
+    """Observed on lightning-fabric 2.6.6: accepted, a new wrapper around the same module (single device and ddp_spawn;
+    under DDP gradients still average, see ``test_ddp_the_same_module_set_up_twice_still_averages``)."""
+    fabric = cpu_fabric()
+    model = nn.Linear(2, 1)
+    first, second = fabric.setup(model), fabric.setup_module(model)
+    assert first is not second and first.module is model and second.module is model
+
+
+# ---- sharded_model(), run() and launch(), side by side with Lightning ----------------------------------------------------
+
+
+def test_sharded_model_warns_that_it_is_deprecated_and_does_nothing():
+    """Observed on lightning-fabric 2.6.6: ``sharded_model()`` warns a ``LightningDeprecationWarning`` (a DeprecationWarning
+    shown by default) naming ``init_module``, and on a single device returns a ``nullcontext`` under which a model is
+    created as usual (on the CPU, float32, also with precision "bf16-true")."""
+    for precision in ("32-true", "bf16-true"):
+        fabric = cpu_fabric(precision=precision)
+        with pytest.warns(LightningDeprecationWarning, match=r"sharded_model\(\) is deprecated.*init_module\(\)") as record:
+            context = fabric.sharded_model()
+        assert record[0].filename == __file__  # the warning points at the caller's line
+        assert isinstance(context, nullcontext)
+        with context:
+            model = nn.Linear(2, 2)
+        assert model.weight.device.type == "cpu" and model.weight.dtype == torch.float32
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_the_deprecation_is_shown_by_default(tmp_path, subprocess_env):
+    """Observed on lightning-fabric 2.6.6: without any warning filter, a call from a user's module (not ``__main__``, where
+    Python hides a DeprecationWarning) prints the warning on stderr, at Lightning's own line; ours names the user's."""
+    import subprocess
+
+    (tmp_path / "user_code.py").write_text("def build(fabric):\n    with fabric.sharded_model():\n        pass\n")
+    program = "from fabric import Fabric; import user_code; user_code.build(Fabric(accelerator='cpu', devices=1))"
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=tmp_path, env=subprocess_env, capture_output=True, text=True, timeout=100
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "user_code.py:2: LightningDeprecationWarning: Fabric.sharded_model() is deprecated" in result.stderr
+
+
+def test_sharded_model_before_launch_is_refused_after_the_warning():
+    """Observed on lightning-fabric 2.6.6: with DDP on 2 devices, before ``launch()``, it warns, then raises RuntimeError."""
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=2)
+    with pytest.warns(LightningDeprecationWarning), pytest.raises(RuntimeError, match=r"sharded_model\(\) was called before Fabric\.launch\(\)"):
+        fabric.sharded_model()
+
+
+class RunsItself(Fabric):
+    def run(self, x, y=1):
+        return {"x": x, "y": y, "world_size": self.world_size}
+
+
+def test_run_launches_and_calls_the_override():
+    """Observed on lightning-fabric 2.6.6: a subclass's ``run(3, y=4)`` returns the override's value; ``Fabric.run`` of the
+    base class returns None; ``run`` after ``launch`` and ``launch`` after ``run`` both work; ``run`` twice runs twice."""
+    fabric = RunsItself(accelerator="cpu", devices=1)
+    assert fabric.run(3, y=4) == {"x": 3, "y": 4, "world_size": 1}
+    assert fabric.launch() is None
+    assert fabric.run(5) == {"x": 5, "y": 1, "world_size": 1}
+    assert cpu_fabric().run(1, 2, a=3) is None
+    launched = RunsItself(accelerator="cpu", devices=1)
+    launched.launch()
+    assert launched.run(2)["x"] == 2
+
+
+def test_launch_again_runs_again():
+    """Observed on lightning-fabric 2.6.6 (its docstring: "a no-op when called multiple times and no function is passed"):
+    a second ``launch()`` returns None, a second ``launch(function)`` runs the function again."""
+    fabric = cpu_fabric()
+    assert fabric.launch() is None and fabric.launch() is None
+    assert fabric.launch(lambda f: 1) == 1 and fabric.launch(lambda f, k: k, 2) == 2
+
+
+@pytest.mark.parametrize(("function", "named"), [(None, "got None"), (lambda: 1, "takes no argument")])
+def test_launch_refuses_what_it_cannot_call_with_the_fabric(function, named):
+    """Observed on lightning-fabric 2.6.6: ``launch(None)`` and ``launch(lambda: 1)`` raise TypeError before anything starts."""
+    with pytest.raises(TypeError, match=named):
+        cpu_fabric().launch(function)
 
 
 # ---- FabricModule: device, dtype, methods other than forward -------------------------------------------
@@ -136,11 +341,34 @@ def test_is_wrapped_sees_through_compile():
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
+    """The job runs as a subclass's ``run`` method, which launches the two processes (as in Lightning Fabric)."""
     directory = tmp_path_factory.mktemp("dropin_job")
     with pytest.MonkeyPatch.context() as mp:
         isolate(mp)
-        fabric = Fabric(accelerator="cpu", strategy="ddp_spawn", devices=2)
-        return fabric.launch(dropin_checks.dropin_job, str(directory))
+        return dropin_checks.DropinFabric(accelerator="cpu", strategy="ddp_spawn", devices=2).run(str(directory))
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_ddp_run_of_a_subclass_returns_rank_zero_value(ddp_results):
+    assert ddp_results["run_on"] == (0, 2)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_ddp_with_reapply_compile_false_wraps_the_compiled_module(ddp_results):
+    """As Lightning 2.6.6 does with ``_reapply_compile=False``: DDP around the user's compiled module (keys stay the model's)."""
+    assert ddp_results["not_recompiled_outer"] == "DistributedDataParallel"
+    assert ddp_results["not_recompiled_inner"] == "OptimizedModule"
+    assert ddp_results["not_recompiled_keys"] == ddp_results["compiled_keys"]
+    assert ddp_results["not_recompiled_grads_agree"] is True
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_ddp_the_same_module_set_up_twice_still_averages(ddp_results):
+    """Observed with lightning-fabric 2.6.6 (ddp_spawn, 2 CPU processes, inputs 1 and 2): both wrappers give [[1.5, 1.5]]."""
+    assert ddp_results["set_up_twice_grads"] == [[[1.5, 1.5]]] * 3
 
 
 @pytest.mark.procs
@@ -503,9 +731,12 @@ def test_dp_on_the_cpu_runs_ddp_with_sharded_data(tmp_path):
 @pytest.mark.timeout(180)
 def test_fsdp_compiled_module_is_sharded_inside_and_trains(tmp_path):
     ranks, _ = run_two_rank_script("compiled_fsdp.py", tmp_path)
-    for report in ranks:
+    for rank, report in enumerate(ranks):
         assert report["outer"] == "OptimizedModule" and report["inner"].startswith("FSDP")
         assert report["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        # sharding a module twice would fail inside DTensor: refused by name before anything changes
+        assert "Sequential cannot be set up: it was already sharded by an earlier setup() of FSDPStrategy" in report["set_up_again"]
+        assert report["sharded_model"] == ["nullcontext"] + ["LightningDeprecationWarning"] * (rank == 0)  # warned on rank 0 only
     assert ranks[0]["losses"] == ranks[1]["losses"]  # one model: the mean loss agrees on both ranks
     assert ranks[0]["losses"][-1] < ranks[0]["losses"][0]
 

@@ -99,11 +99,13 @@ def test_launch_not_callable_is_a_type_error():
 
 
 @pytest.mark.parametrize("first", [(), (lambda f: None,)])
-def test_launch_twice_is_a_runtime_error(first):
+def test_launch_twice_sets_up_once_and_runs_again(first):
+    """As Lightning Fabric's: a second launch keeps the process as it is and runs its function (none: nothing)."""
     fabric = cpu_fabric()
     fabric.launch(*first)
-    with pytest.raises(RuntimeError, match="already called"):
-        fabric.launch()
+    calls = []
+    assert fabric.launch() is None
+    assert fabric.launch(lambda f: calls.append(f) or "again") == "again" and calls == [fabric]
 
 
 def test_exception_in_launched_function_propagates():

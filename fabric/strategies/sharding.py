@@ -98,6 +98,13 @@ class ShardedStrategy(ProcessGroupStrategy):
         """Shard ``module``; parameters made on the meta device are then allocated (shards only) and initialized."""
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__}.setup_module() needs the process group: call Fabric.launch() first")
+        for name, part in module.named_modules():
+            if part in self._set_up_modules:  # sharding it again would fail deep inside DTensor
+                where = f"its submodule {name!r} ({type(part).__name__})" if name else "it"
+                raise ValueError(
+                    f"{type(module).__name__} cannot be set up: {where} was already sharded by an earlier setup() of"
+                    f" {type(self).__name__}; set each module up once and keep using the module setup() returned"
+                )
         on_meta = has_meta_tensors(module)
         if not on_meta:
             broadcast_module_from_rank_zero(module, self.root_device)  # like DDP: every rank starts from rank 0's weights

@@ -32,6 +32,11 @@ class LightningDeprecationWarning(DeprecationWarning):
     """The category of ``rank_zero_deprecation`` (Lightning's name, so filters written for it still match)."""
 
 
+# shown by default, as Lightning shows it (Python hides a DeprecationWarning raised outside ``__main__``);
+# a filter the user sets later still wins
+warnings.simplefilter("default", category=LightningDeprecationWarning)
+
+
 @rank_zero_only
 def rank_zero_debug(message: Any, *args: Any, stacklevel: int = 4, **kwargs: Any) -> None:
     log.debug(message, *args, stacklevel=stacklevel, **kwargs)

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fabric import Fabric
+
 
 class StepModel(nn.Module):
     """A model trained through a method of its own, as Lightning-style code does."""
@@ -60,5 +62,32 @@ def dropin_job(fabric: Any, directory: str) -> dict[str, Any]:
     fabric.backward(compiled(rank_batch(fabric)).pow(2).mean())
     results["compiled_grads_agree"] = grads_agree(fabric, plain)
 
+    # Lightning's _reapply_compile=False: DDP wraps the compiled module, which is not compiled again
+    torch.manual_seed(0)
+    plain = StepModel()
+    compiled_inside = fabric.setup_module(torch.compile(plain, backend="eager"), _reapply_compile=False)
+    results["not_recompiled_outer"] = type(compiled_inside._forward_module).__name__
+    results["not_recompiled_inner"] = type(compiled_inside._forward_module.module).__name__
+    results["not_recompiled_keys"] = sorted(compiled_inside.state_dict())
+    fabric.backward(compiled_inside(rank_batch(fabric)).pow(2).mean())
+    results["not_recompiled_grads_agree"] = grads_agree(fabric, plain)
+
+    # the same module set up twice (accepted, as by Lightning): either wrapper averages the gradients
+    model = nn.Linear(2, 1, bias=False)
+    first, second = fabric.setup(model), fabric.setup(model)
+    x = torch.full((1, 2), float(fabric.global_rank + 1))
+    results["set_up_twice_grads"] = []
+    for wrapper in (first, second, first):
+        model.zero_grad()
+        fabric.backward(wrapper(x).sum())
+        results["set_up_twice_grads"].append(model.weight.grad.tolist())
+
     results["shared_filesystem"] = is_shared_filesystem(fabric.strategy, directory)
     return results
+
+
+class DropinFabric(Fabric):
+    """Lightning Fabric's older style: the program is the ``run`` method of a subclass (``DropinFabric(...).run(directory)``)."""
+
+    def run(self, directory: str) -> dict[str, Any]:
+        return {**dropin_job(self, directory), "run_on": (self.global_rank, self.world_size)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,11 +28,21 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+    try:
+        fabric.setup(plain)
+        set_up_again = "accepted"
+    except ValueError as error:
+        set_up_again = str(error)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        context = fabric.sharded_model()  # deprecated; FSDP2 shards at setup, so nothing to enter
     report = {
         "outer": type(model._forward_module).__name__,
         "inner": type(model._forward_module._orig_mod).__name__,
         "keys": sorted(model.state_dict()),
         "losses": losses,
+        "set_up_again": set_up_again,
+        "sharded_model": [type(context).__name__, *(type(w.message).__name__ for w in seen)],
     }
     (Path(sys.argv[1]) / f"rank{fabric.global_rank}.json").write_text(json.dumps(report))
 
