@@ -8,7 +8,9 @@ stripped) and the extra of fabric-torch that installs the library. Checkpoints o
 
 No text we make or pass on shows a URL's credentials (a password in it, its query): messages name the URL
 ``redact``-ed; a storage library's error is re-raised as ours (``storage_error``) chained only to a copy without
-them (``without_secrets``); and the filesystem of a URL that holds any cleans every error its calls raise.
+them (``without_secrets``); and the filesystem of a URL that holds any cleans every error its calls raise. A URL
+with a query or a fragment is refused before its store is used (``check_no_query``): both would become part of
+the names of the objects written.
 
 Every call to a store has a bound: on an asynchronous filesystem (s3fs, gcsfs, adlfs, http: the object stores) each
 call, and each upload of a file it opened for writing, runs on fsspec's event loop for at most :func:`store_timeout`
@@ -240,6 +242,7 @@ def store_errors(doing: str, url: str, passing: tuple[type[BaseException], ...] 
     except Exception as err:
         raise storage_error(f"Could not {doing} {redact(url)!r}", url, err) from without_secrets(err, url)
 
+
 def check_place(url: str) -> None:
     """A URL must name a place on its store: ``s3://`` or ``memory://`` alone names none (nor a chain ending so)."""
     path = url.rsplit("::", 1)[-1].partition("://")[2]
@@ -249,6 +252,20 @@ def check_place(url: str) -> None:
         raise ValueError(
             f"{redact(url)!r} names a store but no place on it. Accepted: a local path, or a URL with a bucket or folder"
             " after '://', e.g. s3://bucket/run/ckpt.pt, gs://bucket/logs, memory://run/ckpt.pt"
+        )
+
+
+def check_no_query(url: str) -> None:
+    """A checkpoint's or a log's URL names its objects by its path: a query (``?...``, where a signed URL carries its
+    token) or a fragment (``#...``) would become part of every object's name, readable by whoever can list the store.
+    Refused by name, the query redacted."""
+    shown = redact(url)  # a password holding "?" or "#" is no query: redacted, it is "***"
+    if "?" in shown or "#" in shown:
+        raise ValueError(
+            f"{shown!r} has a {'query (?...)' if '?' in shown else 'fragment (#...)'}, which would become part of the name"
+            " of every object written, readable by whoever can list the store (a signed URL's token with it)."
+            " Accepted: a URL without '?' or '#', e.g. s3://bucket/run/ckpt.pt; the storage library takes credentials"
+            " from its usual sources (environment variables, its config files)"
         )
 
 
@@ -295,6 +312,7 @@ def filesystem(url: str) -> tuple[Any, str]:
                 f" pip install 'fabric-torch[{extra}]'"
             ) from None
     check_place(url)
+    check_no_query(url)
     store_timeout()  # a bad FABRIC_STORE_TIMEOUT is refused before anything is written
     try:
         fs, path = url_to_fs(url)

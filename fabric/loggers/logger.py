@@ -153,8 +153,8 @@ class FolderLogger(Logger):
     def __init__(self, root_dir: str | os.PathLike, name: str, version: int | str | None) -> None:
         from fabric._core.urls import check_writable, is_url, local_or_url
 
-        # a URL is never a local folder: its store is checked here (no place named, read-only, unknown scheme,
-        # missing library)
+        # a URL is never a local folder: its store is checked here (no place named, a query or fragment, read-only,
+        # unknown scheme, missing library)
         if is_url(root_dir):
             check_writable(str(root_dir), f"write the logs of {type(self).__name__}")
         root_dir = local_or_url(os.fspath(root_dir))

@@ -493,6 +493,9 @@ def _listed_object(fs: Any, path: str, record: Record, name: str, url: str) -> t
     expected = _expected(record, name, url)
     where = _where(url, record, name)
     remote = f"{generation_prefix(path, record.generation)}/{name}"
+    # asked of the store, not of the listing cache: a process that listed or loaded this generation before would
+    # otherwise take a deleted or truncated object for whole, and its GET would fail with the library's raw error
+    fs.invalidate_cache(remote)
     try:
         size = fs.size(remote)
     except FileNotFoundError:
@@ -504,11 +507,15 @@ def _listed_object(fs: Any, path: str, record: Record, name: str, url: str) -> t
 
 def _fetch_range(fs: Any, remote: str, start: int, end: int, digests: ItemDigests, fd: int, local: Path | None, where: str, cut: str) -> None:
     """Bytes ``start`` to ``end`` of ``remote``, digested and written to ``fd`` (at their offsets in ``local``, else
-    in order), in GETs of up to 32 MiB: each one call to the store, so each bounded (``cat_file``)."""
+    in order), in GETs of up to 32 MiB: each one call to the store, so each bounded (``cat_file``). An object deleted
+    since its size was asked is named as missing, as one deleted before."""
     position = start
     while position < end:
         stop = min(end, position + _RANGE_PIECE)
-        piece = fs.cat_file(remote, start=position, end=stop)
+        try:
+            piece = fs.cat_file(remote, start=position, end=stop)
+        except FileNotFoundError:
+            raise CommitRecordError(f"{where} is missing: the commit record lists it") from None
         if not piece:
             raise CommitRecordError(f"{where} ends at byte {position}, before byte {end} {cut}")
         if len(piece) > stop - position:  # a store that answers a range with more bytes: none of them is trusted

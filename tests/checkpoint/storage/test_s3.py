@@ -19,6 +19,7 @@ from torch import nn
 
 from fabric import Fabric
 from fabric._core.urls import filesystem
+from fabric.checkpoint.errors import CheckpointLoadError
 from fabric.checkpoint.storage import objects as storage
 from fabric.plugins.io import atomic_save, safe_load
 from support.environment import free_port
@@ -420,3 +421,103 @@ def test_a_checkpoint_another_process_replaced_or_changed_after_this_one_read_it
     with pytest.raises(storage.CommitRecordError, match=r"shared\.pt.*CRC-32"):
         fabric.load(url, state)
     assert torch.equal(state["model"]["w"], torch.zeros(64))
+
+
+# ---- URLs with a query or a fragment; objects damaged after a load in this process -------------------------------
+
+QUERY_SECRET = "fabricQuerySecret123"
+
+
+@pytest.mark.parametrize("suffix", [f"?X-Amz-Signature={QUERY_SECRET}", "#part"], ids=["query", "fragment"])
+def test_a_url_with_a_query_or_fragment_is_refused_naming_it_without_the_secret_and_nothing_is_written(
+    bucket: str, tmp_path, suffix: str
+) -> None:
+    # a query (a signed URL's token) would otherwise become part of every object's name, readable by whoever lists the bucket
+    import traceback
+
+    from fabric.checkpoint.async_save import wait_for_pending_save
+    from fabric.checkpoint.formats.sharded import save_sharded
+    from fabric.consolidate import consolidate
+    from fabric.loggers import CSVLogger, TensorBoardLogger
+    from support.s3 import s3_objects
+
+    local = tmp_path / "sharded"
+    save_sharded(local, {"model": nn.Linear(2, 2)})
+    fabric, net = cpu_fabric(), nn.Linear(2, 2)
+    url, logs = f"{bucket}/run/ckpt.pt{suffix}", f"{bucket}/logs{suffix}"
+    actions = {
+        "save": (url, lambda: fabric.save(url, {"model": net})),
+        "async save": (url, lambda: (fabric.save(url, {"model": net}, async_save=True), wait_for_pending_save())),
+        "sharded save": (url, lambda: save_sharded(url, {"model": net})),
+        "load": (url, lambda: fabric.load(url, {"model": net})),
+        "consolidate's output": (url, lambda: consolidate(local, url)),
+        "CSVLogger": (logs, lambda: CSVLogger(logs).log_metrics({"loss": 1.0}, step=0)),
+        "TensorBoardLogger": (logs, lambda: TensorBoardLogger(logs).log_metrics({"loss": 1.0}, step=0)),
+    }
+    for what, (given, action) in actions.items():
+        with pytest.raises(ValueError, match=r"has a (query|fragment)") as info:
+            action()
+        text = str(info.value) + "".join(traceback.format_exception(info.value))
+        assert QUERY_SECRET not in text, (what, text)
+        shown = given.replace(QUERY_SECRET, "").replace("X-Amz-Signature=", "***")
+        kind = "query" if "?" in given else "fragment"
+        assert f"{shown!r} has a {kind}" in str(info.value) and "Accepted: a URL without '?' or '#'" in str(info.value), (what, text)
+    assert s3_objects(bucket) == {}
+
+
+_FRESH_LOADS = """
+import sys
+from fabric import Fabric
+for url in sys.argv[1:]:
+    try:
+        Fabric(accelerator="cpu", devices=1).load(url)
+        print("loaded")
+    except Exception as err:
+        print(f"{type(err).__name__}: {err}")
+"""
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(180)
+def test_an_object_deleted_or_truncated_after_a_load_in_this_process_gives_the_message_a_fresh_process_gives(bucket: str) -> None:
+    # this process has loaded (and saved) each checkpoint, so s3fs's listing cache knows its objects; another client
+    # then deletes or truncates one. The load here must ask the store, not the cache: our message, the same as a
+    # fresh process's, never s3fs's raw "The specified key does not exist" nor "The requested range is not satisfiable"
+    import subprocess
+    import sys
+
+    import s3fs
+
+    from support.environment import clean_env
+
+    fabric = cpu_fabric()
+    urls, expected = [], []
+    for kind in ("file", "sharded"):
+        for damage in ("delete", "truncate"):
+            if kind == "file":
+                url = f"{bucket}/{kind}-{damage}.pt"
+                fabric.save(url, {"model": {"w": torch.arange(4096.0)}})
+                target = the_object(url)
+            else:
+                url, *_ = sharded_url_and_state(bucket, f"{kind}-{damage}")
+                target = sharded_object(url, "__0_0.distcp")
+            fabric.load(url)  # the warm part: this process has read every object of it
+            outsider = s3fs.S3FileSystem(skip_instance_cache=True)  # as another process: nothing here hears of it
+            if damage == "delete":
+                outsider.rm(target)
+                expected.append(r"is missing: the commit record lists it \(\d+ bytes\)")
+            else:
+                outsider.pipe_file(target, outsider.cat_file(target)[:100])
+                expected.append(r"has 100 bytes, the commit record says \d+ \(truncated, or from another save\)")
+            urls.append(url)
+
+    warm = []
+    for url, said in zip(urls, expected):
+        with pytest.raises(CheckpointLoadError, match=said) as info:  # a sharded read names the rank: its own class
+            fabric.load(url)
+        assert repr(url) in str(info.value)
+        warm.append(f"{type(info.value).__name__}: {info.value}")
+    env = clean_env(**{name: os.environ[name] for name in VARIABLES})
+    fresh = subprocess.run([sys.executable, "-c", _FRESH_LOADS, *urls], env=env, capture_output=True, text=True, timeout=150)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert fresh.stdout.splitlines() == warm

@@ -79,8 +79,8 @@ def test_loads_saves_and_listings_on_a_store_that_never_answers_name_the_url_and
     from fabric.plugins.io import TorchCheckpointIO, safe_load
 
     monkeypatch.setenv("FABRIC_STORE_TIMEOUT", "0.5")
-    url = "stalled://bucket/run/ckpt.pt?token=secret-token-123"  # a signed URL: the token is never shown
-    shown = "stalled://bucket/run/ckpt.pt?***"
+    url = "stalled://user:secret-token-123@bucket/run/ckpt.pt"  # a password in the URL: never shown
+    shown = "stalled://user:***@bucket/run/ckpt.pt"
     calls = [
         (lambda: safe_load(url), f"Could not read the checkpoint '{shown}'"),
         (lambda: TorchCheckpointIO().save_checkpoint({"v": 1}, url), f"Could not save the checkpoint '{shown}'"),
