@@ -33,7 +33,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -214,7 +214,12 @@ class StepWatchReader:
         """Where the stalled rank was (its main thread's stack, asked with the stack-dump signal), or None."""
         return where_rank_is(self._job_dir, stall.rank, pid)
 
-    def close(self) -> None:
+    def close(self, ranks: Iterable[int] = ()) -> None:
+        """Take the last word of ``ranks`` (their committed steps), then let go of the files."""
+        for rank in ranks:
+            values = self._read(rank)
+            if values is not None:
+                self.committed = max(self.committed, values[2])
         for mapped in self._maps.values():
             mapped.close()
         self._maps.clear()

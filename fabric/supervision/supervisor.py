@@ -438,8 +438,8 @@ class Supervisor:
         """Release descriptors and the job folder (call after :meth:`stop`)."""
         for handle in self.ranks:
             handle.close()
+        self._steps.close(self.rank_ids)
         self.committed_steps = max(self.committed_steps, self._steps.committed)
-        self._steps.close()
         remove_job_dir(self.job_dir)
         self.job_dir = None
 

@@ -9,9 +9,6 @@ checkpoint that job wrote before the failure.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,10 +25,13 @@ from fabric.strategies.fault_tolerant import (
     replica_group_from_environment,
 )
 from support.environment import clean_env
+from support.ft_jobs import processes_mentioning as _processes_mentioning
+from support.ft_jobs import rows as _rows
+from support.ft_jobs import run_groups, start_lighthouse, stop_lighthouse
+from support.ft_jobs import shard_order as _shard_order
 from support.loading import script_path
-from support.processes import fabric_run, finish, run, start
+from support.processes import run
 
-GROUP_SCRIPT = script_path("ft", "replica_group.py")
 DIE_AT = 12  # group 1 kills itself in the step that would commit this one
 SAVED_AT = (8, 10)  # the live job saves these committed steps, before the failure
 
@@ -152,70 +152,16 @@ def test_a_dropped_step_leaves_weights_and_optimizer_as_they_were_and_backward_n
     assert all(step["participants"] == 1 for step in steps)
 
 
-def _lighthouse(log: Path) -> tuple[subprocess.Popen, str]:
-    """``fabric-torch lighthouse`` on a free port; a group is taken for dead after 2 s without a heartbeat, and a quorum
-    waits up to 5 s for a group that sends heartbeats but has not asked yet (the job's start, a rejoining group).
-
-    Its log (a line per quorum) goes to the file ``log``: a pipe nobody reads would fill and stall it.
-    """
-    command = [sys.executable, "-m", "fabric", "lighthouse", "--min-replicas", "1", "--port", "0",
-               "--heartbeat-timeout-ms", "2000", "--join-timeout-ms", "5000"]
-    with log.open("w") as stderr:
-        process = subprocess.Popen(command, env=clean_env(), stdout=subprocess.PIPE, stderr=stderr, text=True, stdin=subprocess.DEVNULL)
-    assert process.stdout is not None
-    line = process.stdout.readline()  # its one line on stdout: the address
-    assert "lighthouse listening on http://127.0.0.1:" in line, line + log.read_text()
-    return process, line.split("listening on ")[1].split()[0]
-
-
-def _groups(lighthouse: Path | str, out: Path, *args: object, restarts: int = 0, strategy: str = "ddp_ft", devices: int = 1) -> list[tuple[int, str, str]]:
-    out.mkdir(exist_ok=True)
-    procs = [
-        start(fabric_run("--accelerator", "cpu", "--devices", devices, "--replica-group", group, "--num-replica-groups", 2,
-                         "--lighthouse", lighthouse, "--max-restarts", restarts, GROUP_SCRIPT, out, *args),
-              env=clean_env(OMP_NUM_THREADS="1", FT_STRATEGY=strategy))
-        for group in (0, 1)
-    ]
-    return finish(procs, 200)
-
-
-def _rows(out: Path, group: int, attempt: int, rank: int = 0) -> list[dict]:
-    return [json.loads(line) for line in (out / f"group{group}_rank{rank}_attempt{attempt}.jsonl").read_text().splitlines()]
-
-
-def _shard_order(group: int, rank: int, ranks_per_group: int) -> list[int]:
-    """The sample indices of (group, rank)'s shard in epoch 0, as the distributed sampler orders them."""
-    from torch.utils.data import DistributedSampler
-
-    sampler = DistributedSampler(range(4096), num_replicas=2 * ranks_per_group, rank=group * ranks_per_group + rank, shuffle=True, seed=7)
-    sampler.set_epoch(0)
-    return list(sampler)
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and entry.name != str(os.getpid()):
-            try:
-                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
-
-
 def _job_with_a_failure(out: Path, strategy: str, devices: int) -> Path:
     """Group 1 (every rank) SIGKILLs itself after the forward of step 12 and is restarted once; group 0 goes on."""
     import_torchft()
-    lighthouse, address = _lighthouse(out / "lighthouse.log")
+    lighthouse, address = start_lighthouse(out / "lighthouse.log")
     try:
-        results = _groups(address, out, "--die-group", 1, "--die-at", DIE_AT, "--steps", 30, "--save-at", *SAVED_AT,
-                          restarts=1, strategy=strategy, devices=devices)
+        results = run_groups(address, out, "--die-group", 1, "--die-at", DIE_AT, "--steps", 30, "--save-at", *SAVED_AT,
+                             restarts=1, strategy=strategy, devices=devices)
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse_status = lighthouse.wait(timeout=20)
+        lighthouse_status = stop_lighthouse(lighthouse)
     for group, (code, _, stderr) in enumerate(results):
-        (out / f"group{group}.stderr").write_text(stderr)
         assert code == 0, f"group {group}: {stderr[-3000:]}"
     assert lighthouse_status == 0
     return out
@@ -274,12 +220,11 @@ def test_hsdp_ft_two_groups_of_two_ranks_heal_shard_by_shard(tmp_path: Path) -> 
 @pytest.mark.timeout(300)
 def test_a_cold_start_of_every_group_from_one_groups_checkpoint_resumes_exactly(live_job: Path, tmp_path: Path) -> None:
     first, last = SAVED_AT
-    lighthouse, address = _lighthouse(tmp_path / "lighthouse.log")
+    lighthouse, address = start_lighthouse(tmp_path / "lighthouse.log")
     try:
-        results = _groups(address, tmp_path, "--resume", live_job / f"group0_step{first}.ckpt", "--steps", last)
+        results = run_groups(address, tmp_path, "--resume", live_job / f"group0_step{first}.ckpt", "--steps", last)
     finally:
-        lighthouse.send_signal(signal.SIGTERM)
-        lighthouse.wait(timeout=20)
+        stop_lighthouse(lighthouse)
     for group, (code, _, stderr) in enumerate(results):
         assert code == 0, f"group {group}: {stderr[-3000:]}"
     for group in (0, 1):
