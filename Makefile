@@ -44,7 +44,7 @@ test: check
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not timing" --durations=25
 	$(PYTHON) -m pytest -q -m timing --durations=15
 
-## The loop to run after every edit: every test that starts no process (about a minute).
+## The loop to run after every edit: every test that starts no process (how long: README, "Two commands").
 test-fast: venv
 	$(PYTHON) -m pytest -q -m "not procs"
 
@@ -67,7 +67,7 @@ coverage: venv
 	$(VENV)/bin/coverage html -q; \
 	exit $$status
 
-## Build Horovod 0.28.1 for torch >= 2.1 (about 5 minutes once, cached after) into the venv.
+## Build Horovod 0.28.1 for torch >= 2.1 into the venv: once (docs/switching.md says how long), cached after.
 horovod: venv
 	PY=$(PYTHON) bash scripts/build_horovod.sh
 
