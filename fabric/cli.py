@@ -176,15 +176,6 @@ def run(config: RunConfig) -> int:
         _say(f"error: {err}")
         return 2
     env = {**os.environ, **fabric_environment(config, nprocs)}
-    if config.lighthouse is not None:  # a replica group: every group of the job holds the job's secret
-        from fabric._core.job_secret import JOB_SECRET_ENV, JobSecretError, job_secret
-        from fabric._core.listening import lighthouse_on_loopback
-
-        try:
-            env[JOB_SECRET_ENV] = job_secret(config.lighthouse, lighthouse_on_loopback(config.lighthouse), env)
-        except (JobSecretError, OSError) as err:
-            _say(f"error: {err}")
-            return 2
     if nprocs == 1 and config.num_nodes == 1 and not config.max_restarts:
         # one process: become the script (same pid, signals and exit status are simply the script's)
         sys.stdout.flush()

@@ -10,8 +10,8 @@ group of the job must hold the same secret, and the groups are separate ``fabric
   file that only this user can read, one per lighthouse address, made by the first group that asks;
 * otherwise the job is refused: groups on several machines have no such file in common.
 
-``fabric-torch run`` resolves it once and hands it to its ranks in :data:`JOB_SECRET_ENV`; it is never printed and
-never part of a URL. Standard library only.
+The ranks inherit :data:`JOB_SECRET_ENV` from their launcher and read it at set-up (or the file, which they share
+with every group on this machine); it is never printed and never part of a URL. Standard library only.
 """
 
 from __future__ import annotations

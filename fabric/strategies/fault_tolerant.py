@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric._core.env import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV
-from fabric._core.job_secret import JOB_SECRET_ENV, job_secret
+from fabric._core.job_secret import job_secret
 from fabric._core.listening import lighthouse_on_loopback, replica_job_address
 from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.per_rank import state_of_rank
@@ -283,7 +283,7 @@ class ReplicaGroups:
         torchft = import_torchft()
         strategy: Any = self
         host = self._job_address(lighthouse)
-        secret = os.environ.get(JOB_SECRET_ENV) or job_secret(lighthouse, on_loopback=host in ("127.0.0.1", "::1"))
+        secret = job_secret(lighthouse, on_loopback=host in ("127.0.0.1", "::1"))
         super().setup_environment()  # type: ignore[misc]
         if self._manager is not None:
             return
@@ -332,7 +332,11 @@ class ReplicaGroups:
 
     def _job_address(self, lighthouse: str) -> str:
         """Where this rank listens for the other groups; a group whose store other machines cannot reach is refused."""
-        host = replica_job_address(lighthouse)
+        try:
+            host = replica_job_address(lighthouse)
+        except OSError as err:
+            raise ValueError(f"the lighthouse at {lighthouse} cannot be reached from this machine ({err}); accepted: the"
+                             " address of a running `fabric-torch lighthouse` (--lighthouse HOST:PORT)") from None
         if host in ("127.0.0.1", "::1"):
             return host
         main_address = str(self.cluster_environment.main_address)  # type: ignore[attr-defined]

@@ -33,12 +33,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "FT_EXTRA", "LighthouseConfig", "build_lighthouse_parser", "main", "parse_lighthouse_args"]
+__all__ = [
+    "DEFAULT_HEARTBEAT_TIMEOUT_MS",
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "FT_EXTRA",
+    "LighthouseConfig",
+    "build_lighthouse_parser",
+    "main",
+    "parse_lighthouse_args",
+]
 
 #: Loopback: a lighthouse on every interface has to be asked for (``--host 0.0.0.0``).
 DEFAULT_HOST = "127.0.0.1"
 #: torchft's own lighthouse command listens on this port too.
 DEFAULT_PORT = 29510
+#: A group whose heartbeat is this late is taken for dead (torchft's own default: 5000). The survivors' next quorum
+#: waits for it, so it is the most a death costs them beyond the step it dropped; groups heartbeat every 100 ms.
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 1000
 #: What installs torchft.
 FT_EXTRA = "pip install 'fabric-torch[ft]'"
 #: The exit status when the server cannot start: torchft missing, or the address cannot be bound.
@@ -58,7 +70,7 @@ class LighthouseConfig:
     port: int = DEFAULT_PORT  # 0: any free port
     join_timeout_ms: int | None = None  # None: torchft's default
     quorum_tick_ms: int | None = None
-    heartbeat_timeout_ms: int | None = None
+    heartbeat_timeout_ms: int = DEFAULT_HEARTBEAT_TIMEOUT_MS
 
     @property
     def bind(self) -> str:
@@ -149,8 +161,9 @@ def build_lighthouse_parser(prog: str = _PROG) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--heartbeat-timeout-ms", "--heartbeat_timeout_ms", dest="heartbeat_timeout_ms",
-        type=_integer("--heartbeat-timeout-ms", 1), default=None, metavar="MS",
-        help="A group whose heartbeat is this much late is taken for dead. Default: torchft's.",
+        type=_integer("--heartbeat-timeout-ms", 1), default=DEFAULT_HEARTBEAT_TIMEOUT_MS, metavar="MS",
+        help="A group whose heartbeat is this much late is taken for dead; the other groups' next quorum waits that long"
+        f" after a death. Groups heartbeat every 100 ms. Default: {DEFAULT_HEARTBEAT_TIMEOUT_MS} (torchft's own: 5000).",
     )
     return parser
 

@@ -312,3 +312,23 @@ def test_timeouts_that_would_not_outlast_a_hung_group_are_refused_naming_the_val
     with pytest.raises(error) as info:
         FaultTolerantStrategy(**kwargs)
     assert said in str(info.value)
+
+
+def test_a_group_whose_store_other_machines_cannot_reach_is_refused_naming_the_address(monkeypatch) -> None:
+    from fabric.strategies import fault_tolerant
+
+    strategy = FaultTolerantStrategy(cluster_environment=SimpleNamespace(main_address="127.0.0.1"))
+    assert strategy._job_address("http://127.0.0.1:29510") == "127.0.0.1"
+    monkeypatch.setattr(fault_tolerant, "replica_job_address", lambda url: "10.0.0.7")  # the lighthouse is elsewhere
+    with pytest.raises(ValueError, match=r"reach this group's store at its main address, which is 127.0.0.1 \(loopback\);"
+                       " give --main-address as this machine's address"):
+        strategy._job_address("http://10.0.0.5:29510")
+    strategy.cluster_environment = SimpleNamespace(main_address="10.0.0.7")
+    assert strategy._job_address("http://10.0.0.5:29510") == "10.0.0.7"
+
+    def unresolvable(url: str) -> str:
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(fault_tolerant, "replica_job_address", unresolvable)
+    with pytest.raises(ValueError, match=r"the lighthouse at http://nowhere:1 cannot be reached from this machine"):
+        strategy._job_address("http://nowhere:1")
