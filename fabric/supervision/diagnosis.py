@@ -22,7 +22,6 @@ Only the standard library is used, so importing this module is cheap.
 from __future__ import annotations
 
 import faulthandler
-import importlib.util
 import io
 import linecache
 import os
@@ -30,7 +29,6 @@ import re
 import shutil
 import signal
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -41,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from fabric._core.processes import process_alive
+from fabric.supervision.failure_report import is_library
 
 __all__ = [
     "DUMP_SIGNAL",
@@ -315,37 +314,9 @@ def _short_path(filename: str) -> str:
     return relative if not relative.startswith("..") and len(relative) < len(filename) else filename
 
 
-def _library_roots() -> tuple[str, ...]:
-    roots = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # fabric (this file: fabric/supervision/)
-    for name in ("torch", "horovod", "lightning_utilities"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None and spec.submodule_search_locations:
-            roots.extend(spec.submodule_search_locations)
-    for key in ("stdlib", "platstdlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            roots.append(path)
-    return tuple(os.path.join(os.path.abspath(root), "") for root in roots)
-
-
-def _is_library(filename: str, roots: tuple[str, ...]) -> bool:
-    if filename.startswith("<"):
-        return True  # <frozen ...>, <string>: nothing a user can open
-    path = os.path.abspath(filename)
-    return path.startswith(roots) and "-packages" not in path[len(_longest_prefix(path, roots)) :]
-
-
-def _longest_prefix(path: str, roots: tuple[str, ...]) -> str:
-    return max((root for root in roots if path.startswith(root)), key=len, default="")
-
-
 def _user_frame(frames: list[Frame]) -> Frame:
-    roots = _library_roots()
     for frame in reversed(frames):  # innermost first
-        if not _is_library(frame.filename, roots):
+        if not is_library(frame.filename):
             return frame
     return frames[-1]
 

@@ -14,7 +14,9 @@ The parent-death policy, the same for every rank a fabric supervisor starts:
   (a file on a store left open uploads itself as it closes) may hang with nobody watching.
 
 A rank tells its supervisor that it raised through an inherited pipe (:func:`report_raise`), before
-its interpreter shutdown, which may take long or hang.
+its interpreter shutdown, which may take long or hang. It prints nothing of its own: it leaves its traceback
+in the job folder (:func:`record_exception`) and the supervisor reports the failure once, for every rank
+that met it (``failure_report``), unless ``FABRIC_FULL_TRACEBACKS=1`` asks each rank for its whole traceback.
 
 Only the standard library is used, so importing this module is cheap.
 """
@@ -33,6 +35,8 @@ from types import TracebackType
 from typing import Any
 
 from fabric._core.processes import flush_stdio, kill_own_group_and_exit, process_alive, run_for_at_most
+from fabric.supervision.diagnosis import record_failure
+from fabric.supervision.failure_report import brief_traceback, record_brief
 from fabric.supervision.supervisor import GRACE_S, POLL_S
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "label_lines",
     "print_rank_exception",
     "rank_command",
+    "record_exception",
     "report_exit",
     "report_raise",
     "write_stderr",
@@ -217,15 +222,26 @@ def print_rank_exception(
     exc: BaseException,
     tb: TracebackType | None,
 ) -> None:
-    """Print an unhandled exception once, labelled with the rank, keeping a richer hook if there is one."""
-    if getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook":
-        # torch.distributed wrapped our hook after init_process_group and prefixes every
-        # line with "[rankN]:" itself; a second label would only add noise.
-        previous_hook(exc_type, exc, tb)
-    elif previous_hook is sys.__excepthook__:
+    """Print an unhandled exception once, every line labelled ``[rank N]``, keeping a richer hook if there is one.
+
+    Written to the real stderr: torch.distributed's excepthook (installed by ``init_process_group``) captures what
+    the hook it wrapped writes to ``sys.stderr`` and labels it ``[rankN]:``, a second form of the same label.
+    """
+    if previous_hook is sys.__excepthook__ or getattr(previous_hook, "__name__", "") == "_distributed_excepthook":
         write_stderr(format_rank_traceback(rank, exc_type, exc, tb))
     else:
         # Somebody installed a richer hook (IPython, rich, ...): keep it, add the label.
         write_stderr(f"[rank {rank}] unhandled exception:")
         previous_hook(exc_type, exc, tb)
         flush_stdio()
+
+
+def record_exception(job_dir: str | None, rank: int, exc: BaseException) -> str | None:
+    """Leave this rank's whole traceback and its brief one in the job folder, for the supervisor's one report.
+
+    Returns the brief traceback, or None where it could not be left (no job folder): the rank must then print
+    its traceback itself.
+    """
+    record_failure(job_dir, rank, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    brief = brief_traceback(exc)
+    return brief if record_brief(job_dir, rank, brief) else None

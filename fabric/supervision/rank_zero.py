@@ -1,9 +1,11 @@
 """The popen job's supervision inside rank 0: the supervisor on a thread, plus hooks on the interpreter.
 
-All decisions go through ``_lock`` and the ``_stopping`` flag so that the monitor thread, the
-excepthook, the signal handlers and the atexit hook never report the same failure twice or fight over
-the teardown. Every hook first checks that it runs in the process that started the children: a fork
-of rank 0 (a DataLoader worker, say) inherits the hooks but must never act for the job.
+All decisions go through ``_lock`` and the ``_stopping`` and ``_reported`` flags so that the monitor thread,
+the excepthook, the signal handlers and the atexit hook never report the same failure twice or fight over
+the teardown. The report is the job's one report (``Supervisor.failure_report``): rank 0 prints no
+traceback of its own, it leaves it in the job folder like any rank; Ctrl-C is one line. Every hook first
+checks that it runs in the process that started the children: a fork of rank 0 (a DataLoader worker, say)
+inherits the hooks but must never act for the job.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Any, NoReturn
 
 from fabric._core.process_end import HARD_END_WAIT_S, run_process_end_callbacks
 from fabric._core.processes import descendant_pids, flush_stdio, kill_processes, signal_name
-from fabric.supervision.rank_side import print_rank_exception, write_stderr
+from fabric.supervision.failure_report import brief_traceback, full_tracebacks
+from fabric.supervision.rank_side import print_rank_exception, record_exception, write_stderr
 from fabric.supervision.signals import SignalPipe
-from fabric.supervision.supervisor import GRACE_S, POLL_S, JobResult, Supervisor, only_in_this_process
+from fabric.supervision.supervisor import GRACE_S, POLL_S, JobResult, RankFailure, Supervisor, only_in_this_process
 
 __all__ = ["RankZeroSupervision"]
 
@@ -40,6 +43,8 @@ class RankZeroSupervision:
         self._pid = os.getpid()
         self._lock = threading.RLock()
         self._stopping = False
+        #: whether the job's failure (or the signal that stops it) has been told: once, whoever tells it
+        self._reported = False
         self._all_done = threading.Event()
         self._exit_status: int | None = None
         #: the status rank 0 must end with once a failure or signal has been decided on (None: no such end)
@@ -99,15 +104,24 @@ class RankZeroSupervision:
         if not self._in_rank0():
             self._previous_excepthook(exc_type, exc, tb)
             return
-        print_rank_exception(self.rank, self._previous_excepthook, exc_type, exc, tb)
-        self._stop_job(f"rank {self.rank} failed", own_trace="".join(traceback.format_exception(exc_type, exc, tb)))
+        # left in the job folder too: the monitor thread, reporting a child's failure meanwhile, names rank 0 with
+        # it when rank 0 met the same
+        brief = record_exception(self.supervisor.job_dir, self.rank, exc) or brief_traceback(exc)
+        if full_tracebacks():
+            print_rank_exception(self.rank, self._previous_excepthook, exc_type, exc, tb)
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C: one line for the job, as when the monitor thread hears it
+            self._stop_for_signal(signal.SIGINT)
+            return
+        trace = "".join(traceback.format_exception(exc_type, exc, tb))
+        self._stop_job(f"rank {self.rank} failed", own_trace=trace, own_brief=brief)
 
-    def rank_zero_failed(self, trace: str) -> None:
-        """Rank 0's code raised (reported by the strategy): diagnose, stop the children, keep running."""
+    def rank_zero_failed(self, trace: str, exc: BaseException | None = None) -> None:
+        """Rank 0's code raised ``exc`` (reported by the strategy): diagnose, stop the children, keep running."""
         if self._in_rank0():
-            self._stop_job(f"rank {self.rank} failed", own_trace=trace, kill_own=False)
+            brief = brief_traceback(exc) if exc is not None else None
+            self._stop_job(f"rank {self.rank} failed", own_trace=trace, kill_own=False, own_brief=brief)
 
-    def _stop_job(self, reason: str, own_trace: str | None = None, kill_own: bool = True) -> None:
+    def _stop_job(self, reason: str, own_trace: str | None = None, kill_own: bool = True, own_brief: str | None = None) -> None:
         """Rank 0 is going down on its own terms: take the children (and its own subprocesses) along."""
         raised_at = time.monotonic()
         with self._lock:
@@ -116,21 +130,26 @@ class RankZeroSupervision:
                 # Rank 0's error may only echo a child's death ("connection closed by peer"): if a child
                 # failed too, that is the news worth reporting.
                 cause = self.supervisor.root_cause(own_raised_at=raised_at if own_trace is not None else None, own_trace=own_trace)
+                # the ranks still running: the children that run, and rank 0 itself
+                running = {handle.rank for handle in self.supervisor.alive()} | {self.rank}
                 if cause is not None:
                     failure = self.supervisor.failure_of(cause)
-                    reason = failure.describe()
                     # rank 0's own error echoes the child's end: the job ends with the child's status
                     self._forced_exit = JobResult(failure=failure).exit_status
-                # the ranks still running besides the one that failed: the other children, and rank 0
-                # itself when the cause is a child
-                others = self.supervisor.others_alive(cause.rank if cause is not None else None)
-                if cause is not None:
-                    others += 1
-                if others or cause is not None:
-                    write_stderr(f"[fabric] {reason}; stopping the other {others} rank(s) on this node")
+                elif own_trace is not None:
+                    failure = RankFailure(self.rank, os.getpid(), None, True, None if own_brief is not None else own_trace)
+                if cause is not None or own_trace is not None:
+                    self._tell(self.supervisor.failure_report(failure, running, own_brief))
+                elif len(running) > 1:
+                    self._tell(f"{reason}; stopping the other {len(running) - 1} rank(s) on this node")
                 self._report(self.supervisor.diagnose(own_trace=own_trace, own_running=False))
                 self.supervisor.stop()
                 self.supervisor.close()
+            elif own_trace is not None and not self._reported:
+                # the children were stopped on purpose (the strategy's kill()) before rank 0's error came here:
+                # their ends are no failure, and rank 0's error is the one to tell
+                failure = RankFailure(self.rank, os.getpid(), None, True, None if own_brief is not None else own_trace)
+                self._tell(self.supervisor.failure_report(failure, (), own_brief))
         if kill_own:
             with self._lock:
                 # Also after a deliberate kill(): rank 0's own subprocesses must not outlive it.
@@ -214,24 +233,29 @@ class RankZeroSupervision:
             self._stopping = True
             self._forced_exit = result.exit_status
             try:
-                # the ranks still running besides the failed one: the other children that run, and rank 0
-                others = self.supervisor.others_alive(result.failure.rank) + 1
-                write_stderr(f"[fabric] {result.failure.describe()}; stopping the other {others} rank(s) on this node")
+                # the ranks still running: the children that run, and rank 0
+                running = {handle.rank for handle in self.supervisor.alive()} | {self.rank}
+                self._tell(self.supervisor.failure_report(result.failure, running))
                 self._report(result.diagnosis)
                 self._teardown()
             finally:  # whatever the teardown ran into, the job failed, with the failed rank's status
                 _end_now(self._forced_exit)
 
-    def _abort_for_signal(self, signum: int, grace: float | None = None) -> None:
-        """Ctrl-C / SIGTERM: stop the children, then end rank 0 with 128 + signum."""
+    def _stop_for_signal(self, signum: int) -> None:
+        """Ctrl-C / SIGTERM: say so in one line (the first to hear it) and stop the children; rank 0 ends with 128 + signum."""
         with self._lock:
             first = not self._stopping
             self._stopping = True
             if self._forced_exit is None:
                 self._forced_exit = 128 + signum
+            if not self._reported:
+                self._tell(f"rank {self.rank} received {signal_name(signum)}; stopping all ranks")
             if first:
-                write_stderr(f"[fabric] rank {self.rank} received {signal_name(signum)}; stopping all ranks")
                 self._teardown()
+
+    def _abort_for_signal(self, signum: int, grace: float | None = None) -> None:
+        """Ctrl-C / SIGTERM heard outside the main thread's unwinding: stop the job, then end rank 0 with 128 + signum."""
+        self._stop_for_signal(signum)
         if grace is None:
             grace = _SIGINT_GRACE_S if signum == signal.SIGINT else 0.0
         if grace > 0 and threading.current_thread() is not threading.main_thread():
@@ -249,6 +273,11 @@ class RankZeroSupervision:
             self._stopping = True
             self.supervisor.stop(signum)
             self.supervisor.close()
+
+    def _tell(self, report: str) -> None:
+        """The job's one report (the caller holds the lock)."""
+        self._reported = True
+        write_stderr(f"[fabric] {report}")
 
     @staticmethod
     def _report(diagnosis: str | None) -> None:

@@ -49,6 +49,7 @@ from fabric.supervision.diagnosis import (
     reads_like_a_lost_peer,
     remove_job_dir,
 )
+from fabric.supervision.failure_report import failure_report, read_briefs
 from fabric.supervision.signals import SignalForwarding, SignalPipe
 from fabric.supervision.step_watch import StepWatchReader, describe_stall
 
@@ -102,15 +103,21 @@ class RankFailedError(RuntimeError):
     """A rank of the job failed; carries which one, how, and its traceback text."""
 
     def __init__(
-        self, rank: int, exitcode: int | None, traceback_text: str | None = None, diagnosis: str | None = None
+        self, rank: int, exitcode: int | None, traceback_text: str | None = None, diagnosis: str | None = None,
+        report: str | None = None,
     ) -> None:
         self.rank = rank
         self.exitcode = exitcode
+        #: the failed rank's whole traceback (where it raised)
         self.traceback_text = traceback_text
         #: for a collective timeout: which ranks did not arrive and where every rank was
         self.diagnosis = diagnosis
+        #: the job's one report of the failure (``Supervisor.failure_report``): the message, where given
+        self.report = report
         message = describe_exit(rank, exitcode, raised=traceback_text is not None)
-        if traceback_text:
+        if report:
+            message = report
+        elif traceback_text:
             message = f"{message}:\n{traceback_text.rstrip()}"
         if diagnosis:
             message = f"{message}\n{diagnosis}"
@@ -123,8 +130,8 @@ class RankFailedError(RuntimeError):
         failure = RankFailure(self.rank, None, self.exitcode, raised=self.traceback_text is not None)
         return JobResult(failure=failure).exit_status
 
-    def __reduce__(self) -> tuple[type, tuple[int, int | None, str | None, str | None]]:
-        return (type(self), (self.rank, self.exitcode, self.traceback_text, self.diagnosis))
+    def __reduce__(self) -> tuple[type, tuple[int, int | None, str | None, str | None, str | None]]:
+        return (type(self), (self.rank, self.exitcode, self.traceback_text, self.diagnosis, self.report))
 
 
 class RankProcess(Protocol):
@@ -214,13 +221,8 @@ class RankFailure:
     pid: int | None
     exitcode: int | None
     raised: bool
+    #: the rank's whole traceback, where its handle carries one (a multiprocessing worker sends it)
     traceback: str | None = None
-
-    def describe(self) -> str:
-        what = describe_exit(self.rank, self.exitcode, raised=self.raised)
-        if self.raised and self.traceback is None:
-            what += " (traceback above)"
-        return f"{what}, pid {self.pid}"
 
 
 @dataclass(frozen=True)
@@ -375,10 +377,9 @@ class Supervisor:
         try:
             result = self.wait(should_stop)
             if report is not None:
-                failed = result.failure.rank if result.failure is not None else None
-                others = self.others_alive(failed)
+                others = self.others_alive(None)
                 if result.failure is not None:
-                    report(f"{result.failure.describe()}; stopping the other {others} rank(s) on this node")
+                    report(self.failure_report(result.failure, {handle.rank for handle in self.alive()}))
                 elif result.signal is not None:
                     why = self.forwarding.stop_reason(result.signal) if self.forwarding else f"received {signal_name(result.signal)}"
                     report(f"{why}; stopping {others} rank(s) on this node")
@@ -524,6 +525,22 @@ class Supervisor:
         if reported is not None:
             return reported[1]
         return self._ended_at.get(handle.rank, float("inf"))
+
+    def failure_report(
+        self, failure: RankFailure, running: Collection[int], own_brief: str | None = None, with_pids: bool = True
+    ) -> str:
+        """The one report of ``failure`` (see ``failure_report``): the cause, with every rank that raised the same,
+        its brief traceback, and how many of the ``running`` ranks are stopped besides. ``own_brief``: the brief
+        traceback of the calling process, a rank itself (:attr:`own_rank`), where it raised; ``with_pids``: name
+        the failed ranks' pids (not in an exception's message)."""
+        briefs = read_briefs(self.job_dir)
+        pids = {handle.rank: handle.pid for handle in self.ranks}
+        if self.own_rank is not None:
+            pids[self.own_rank] = os.getpid()
+            if own_brief is not None:
+                briefs[self.own_rank] = own_brief
+        described = describe_exit(failure.rank, failure.exitcode, raised=failure.raised)
+        return failure_report(failure.rank, failure.raised, described, briefs, pids if with_pids else None, running, failure.traceback)
 
     def failure_of(self, handle: RankProcess) -> RankFailure:
         return RankFailure(handle.rank, handle.pid, exit_code_of(handle), handle.raised_at is not None, handle.traceback)

@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Collection
 from multiprocessing.connection import Connection
 from typing import Any
@@ -28,7 +27,14 @@ from fabric._core.process_end import HARD_END_WAIT_S, run_process_end_callbacks
 from fabric._core.processes import become_group_leader
 from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
 from fabric.supervision.diagnosis import install_stack_dump, record_failure
-from fabric.supervision.rank_side import exit_status_of, follow_supervisor, format_rank_traceback
+from fabric.supervision.failure_report import full_tracebacks
+from fabric.supervision.rank_side import (
+    exit_status_of,
+    follow_supervisor,
+    format_rank_traceback,
+    record_exception,
+    write_stderr,
+)
 from fabric.supervision.supervisor import RankFailedError, Supervisor, only_in_this_process
 
 __all__ = ["MultiprocessingLauncher", "RankFailedError"]
@@ -127,8 +133,15 @@ class MultiprocessingLauncher(Launcher):
         supervisor = Supervisor(start_worker, range(first, first + num_processes))
         self._supervisor = supervisor
         restore_sigterm = _raise_on_sigterm()
+        report = None
         try:
             result = supervisor.run()  # whatever happens (failure, Ctrl-C, SIGTERM), nothing of the job survives
+            if result.failure is not None:  # read from the job folder, before it goes
+                report = supervisor.failure_report(result.failure, running=(), with_pids=False)
+        except KeyboardInterrupt as interrupt:  # Ctrl-C: the workers are stopped (run() does it); one line says so
+            write_stderr(f"[fabric] received SIGINT; stopped {len(supervisor.rank_ids)} rank(s)")
+            _quiet_when_uncaught(interrupt)
+            raise
         finally:
             self._supervisor = None
             supervisor.close()
@@ -136,7 +149,7 @@ class MultiprocessingLauncher(Launcher):
         if result.failure is not None:
             failure = result.failure
             _end_with_the_rank_status_when_uncaught()
-            raise RankFailedError(failure.rank, failure.exitcode, failure.traceback, diagnosis=result.diagnosis)
+            raise RankFailedError(failure.rank, failure.exitcode, failure.traceback, diagnosis=result.diagnosis, report=report)
         payload = supervisor.rank(first).result  # type: ignore[attr-defined]  # a WorkerRank: it carries the result
         return None if payload is None else _deserialize(payload)
 
@@ -328,7 +341,7 @@ def _worker(
             pass
         raise
     except BaseException as err:
-        record_failure(job_dir, rank, "".join(traceback.format_exception(type(err), err, err.__traceback__)))
+        record_exception(job_dir, rank, err)  # the whole traceback and the brief one, for the launcher's report
         text = format_rank_traceback(rank, type(err), err, err.__traceback__)
         # before the report: once it is sent, the launcher stops every worker, this one too
         run_process_end_callbacks(timeout=HARD_END_WAIT_S)
@@ -438,6 +451,20 @@ def _end_with_the_rank_status_when_uncaught() -> None:
             raise SystemExit(exc.exit_status)
 
     excepthook._fabric_rank_status = True  # type: ignore[attr-defined]
+    sys.excepthook = excepthook
+
+
+def _quiet_when_uncaught(told: BaseException) -> None:
+    """Have ``told`` (a Ctrl-C the launcher has said in one line) end the program without its traceback, should
+    nothing catch it (``FABRIC_FULL_TRACEBACKS=1``: with it). It stays an ordinary exception for code that does."""
+    previous = sys.excepthook
+    owner = os.getpid()
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if exc is told and os.getpid() == owner and not full_tracebacks():
+            return
+        previous(exc_type, exc, tb)
+
     sys.excepthook = excepthook
 
 

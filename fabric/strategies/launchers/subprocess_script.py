@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,15 @@ from fabric.plugins.environments import rank_from_environment
 from fabric.strategies.launchers.launcher import Launcher, share_cores_with_torch
 from fabric.supervision.command_rank import CommandRank
 from fabric.supervision.diagnosis import install_stack_dump, record_failure
-from fabric.supervision.rank_side import exit_status_of, follow_supervisor, print_rank_exception, report_exit, report_raise
+from fabric.supervision.failure_report import brief_traceback, full_tracebacks, record_brief
+from fabric.supervision.rank_side import (
+    exit_status_of,
+    follow_supervisor,
+    print_rank_exception,
+    record_exception,
+    report_exit,
+    report_raise,
+)
 from fabric.supervision.rank_zero import RankZeroSupervision
 from fabric.supervision.supervisor import Supervisor
 
@@ -103,10 +110,14 @@ class SubprocessScriptLauncher(Launcher):
         report names the ranks that never arrived) and then stopped; rank 0 goes on raising. In a
         child rank the traceback is left in the job folder for the supervisor to read.
         """
+        handled = sys.exc_info()[1]  # the strategy reports the exception it is handling
         if self._rank_zero is not None:
-            self._rank_zero.rank_zero_failed(trace)
+            self._rank_zero.rank_zero_failed(trace, handled)
         elif _child_supervised:
-            record_failure(os.environ.get(JOB_DIR_ENV), rank_from_environment(), trace)
+            job_dir, rank = os.environ.get(JOB_DIR_ENV), rank_from_environment()
+            record_failure(job_dir, rank, trace)
+            if handled is not None:
+                record_brief(job_dir, rank, brief_traceback(handled))
 
     def __getstate__(self) -> dict[str, Any]:
         # Process handles and threads cannot travel to another process.
@@ -192,9 +203,10 @@ def _supervise_as_child() -> None:
         if os.getpid() != my_pid:  # a forked copy of this rank (e.g. a DataLoader worker)
             previous_hook(exc_type, exc, tb)
             return
-        print_rank_exception(rank, previous_hook, exc_type, exc, tb)
-        # before the status report: the supervisor reads it to tell a collective timeout from other errors
-        record_failure(job_dir, rank, "".join(traceback.format_exception(exc_type, exc, tb)))
+        # before the status report: the supervisor reads it to report the failure once, for every rank that met
+        # it, and to tell a collective timeout from other errors; the rank prints its own only where asked
+        if record_exception(job_dir, rank, exc) is None or full_tracebacks():
+            print_rank_exception(rank, previous_hook, exc_type, exc, tb)
         raised.append(True)
         report_raise(status_fd)  # right away: our interpreter shutdown may take long (or hang)
 

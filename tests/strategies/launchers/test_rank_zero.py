@@ -24,19 +24,15 @@ _RANK_ZERO = textwrap.dedent(
     """
     import sys, time
     from fabric.supervision.rank_zero import RankZeroSupervision
-    from fabric.supervision.supervisor import JobResult, RankFailure
+    from fabric.supervision.supervisor import JobResult, RankFailure, Supervisor
 
-    class SlowToStop:
-        own_rank = 0
-        signals = None
-        ranks = []
+    class SlowToStop(Supervisor):
+        def __init__(self):
+            super().__init__(start_rank=None, ranks=[], own_rank=0)
 
         def wait(self):
             time.sleep({report_after})
             return JobResult(failure=RankFailure(1, None, 1, True))
-
-        def others_alive(self, rank):
-            return 0
 
         def stop(self, signum=15):
             time.sleep({stop_takes})

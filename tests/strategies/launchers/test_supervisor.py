@@ -88,7 +88,8 @@ def test_a_clean_job_and_a_failed_one_are_results_and_the_job_can_run_again() ->
     assert supervisor.attempts == 2
     assert result.failure is not None and result.failure.rank == 1 and result.failure.exitcode == 3
     assert not result.failure.raised and result.exit_status == 3
-    assert "rank 1 exited with code 3, pid" in result.failure.describe()
+    said = supervisor.failure_report(result.failure, running=())  # how the job's report tells it
+    assert said == f"rank 1 exited with code 3, pid {result.failure.pid}"
     assert not {handle.pid for handle in supervisor.ranks} & set(first_pids)
     assert not supervisor.alive()
     supervisor.close()
@@ -109,19 +110,24 @@ def test_a_rank_killed_outright_is_blamed_before_peers_that_raise_after_it() -> 
 def test_a_rank_that_reported_its_exit_status_is_the_cause_before_peers_that_raise_while_it_shuts_down() -> None:
     # rank 1 called sys.exit(3) and is still shutting down when rank 0 raises (its echo): rank 1, status 3,
     # also though the stop's SIGTERM ended its shutdown
-    result = _supervisor({0: ("raise", 0.8), 1: ("exit3_slowly", 0.3), 2: ("sleep", 0)}).run()
+    supervisor = _supervisor({0: ("raise", 0.8), 1: ("exit3_slowly", 0.3), 2: ("sleep", 0)})
+    result = supervisor.run()
     assert result.failure is not None and result.failure.rank == 1 and not result.failure.raised
     assert result.failure.exitcode == 3 and result.exit_status == 3
-    assert "rank 1 exited with code 3, pid" in result.failure.describe()
+    said = supervisor.failure_report(result.failure, running=())  # how the job's report tells it
+    assert said == f"rank 1 exited with code 3, pid {result.failure.pid}"
+    supervisor.close()
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_a_rank_that_ended_with_0_before_the_first_exception_is_the_cause_with_status_1() -> None:
-    result = _supervisor({0: ("raise", 0.8), 1: ("exit0_reported", 0.3), 2: ("sleep", 0)}).run()
+    supervisor = _supervisor({0: ("raise", 0.8), 1: ("exit0_reported", 0.3), 2: ("sleep", 0)})
+    result = supervisor.run()
     assert result.failure is not None and result.failure.rank == 1 and result.failure.exitcode == 0
     assert result.exit_status == 1
-    assert "rank 1 exited with code 0 while the other ranks still ran" in result.failure.describe()
+    assert supervisor.failure_report(result.failure, running=()).startswith("rank 1 exited with code 0 while the other ranks still ran")
+    supervisor.close()
 
 
 @pytest.mark.procs
@@ -235,7 +241,6 @@ def test_exit_status_of_each_kind_of_result() -> None:
     assert JobResult(failure=RankFailure(1, 10, -signal.SIGKILL, True)).exit_status == 1
     assert JobResult(failure=RankFailure(1, 10, 4, True)).exit_status == 4  # its own code, once it ended by itself
     assert JobResult(stopped="another node ended the job").exit_status == 1
-    assert RankFailure(2, 11, 1, True).describe() == "rank 2 raised an exception (exit code 1) (traceback above), pid 11"
 
 
 class _Handle:
