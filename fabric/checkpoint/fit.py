@@ -186,9 +186,15 @@ def _check_state_tensors(what: str, saved: dict[str, Any], current: Any, param_s
             )
 
 
+#: How many keys a message names before it says "and N more".
+SHOWN_KEYS = 20
+
+
 def check_module_fits(what: str, target: dict[str, Any], saved_shapes: dict[str, tuple[int, ...] | None], strict: bool) -> None:
-    """Raise naming the first problem if a saved module entry cannot load into the state dict ``target``. From each
-    saved name's global shape (None: not a tensor), so the check needs no saved data, only its index."""
+    """Raise naming every problem (up to :data:`SHOWN_KEYS` keys of each kind) if a saved module entry cannot load
+    into the state dict ``target``: the keys missing or unexpected (``strict``), and each tensor whose shape
+    differs, with both shapes. From each saved name's global shape (None: not a tensor), so the check needs no
+    saved data, only its index."""
     missing = [name for name in target if name not in saved_shapes]
     unexpected = [name for name in saved_shapes if name not in target]
     if not strict and target and saved_shapes and len(missing) == len(target):
@@ -197,18 +203,29 @@ def check_module_fits(what: str, target: dict[str, Any], saved_shapes: dict[str,
             f" into it (checkpoint: {_some(saved_shapes)}; model: {_some(target)})",
             stacklevel=5,
         )
+    problems = []
     if strict and (missing or unexpected):
-        raise CheckpointMismatchError(
-            f"The checkpoint does not fit {what}: missing keys {missing}, unexpected keys {unexpected};"
+        problems.append(
+            f"missing keys {_listed(missing)}, unexpected keys {_listed(unexpected)};"
             " pass strict=False to load the keys that match"
         )
-    for name, shape in saved_shapes.items():
-        value = target.get(name)
-        if shape is not None and isinstance(value, Tensor) and tuple(value.shape) != tuple(shape):
-            raise CheckpointMismatchError(
-                f"The checkpoint does not fit {what}: {name!r} has shape {tuple(shape)} in the checkpoint but"
-                f" {tuple(value.shape)} in the model"
-            )
+    reshaped = [
+        (name, tuple(shape), tuple(value.shape))
+        for name, shape in saved_shapes.items()
+        if shape is not None and isinstance(value := target.get(name), Tensor) and tuple(value.shape) != tuple(shape)
+    ]
+    if len(reshaped) == 1:
+        name, saved, current = reshaped[0]
+        problems.append(f"{name!r} has shape {saved} in the checkpoint but {current} in the model")
+    elif reshaped:
+        lines = [f"\n  {name!r} has shape {saved} in the checkpoint but {current} in the model" for name, saved, current in reshaped]
+        more = len(reshaped) - SHOWN_KEYS
+        problems.append(
+            f"{len(reshaped)} tensors have another shape in the model:{''.join(lines[:SHOWN_KEYS])}"
+            + (f"\n  and {more} more" if more > 0 else "")
+        )
+    if problems:
+        raise CheckpointMismatchError(f"The checkpoint does not fit {what}: " + "; ".join(problems))
 
 
 def check_optimizer_fits(key: str, saved: dict[str, Any], target: dict[str, Any]) -> None:
@@ -224,6 +241,11 @@ def check_optimizer_fits(key: str, saved: dict[str, Any], target: dict[str, Any]
 def _some(names: Any, shown: int = 5) -> str:
     names = list(names)
     return ", ".join(map(repr, names[:shown])) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _listed(names: list[str], shown: int = SHOWN_KEYS) -> str:
+    """``['a', 'b']``, or the first ``shown`` of them and how many more."""
+    return repr(names) if len(names) <= shown else f"{names[:shown]!r} and {len(names) - shown} more"
 
 
 def tensor_shapes(entry: Any) -> dict[str, tuple[int, ...] | None]:
