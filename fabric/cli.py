@@ -268,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         sys.stderr.write(f"{prog}: error: unknown command {args[0]!r}; accepted: run, consolidate, lighthouse\n")
         raise SystemExit(2)
     config = parse_run_args(args[1:], prog=prog, about=f"This is {about()}, not Lightning's launcher.")
+    note = config.taken_after_script_note()
+    if note:
+        _say(note)
     raise SystemExit(run(config))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fabric._core.env import cli_option
+from fabric._core.suggestions import did_you_mean
 from fabric.accelerators import ACCELERATOR_REGISTRY, Accelerator, CPUAccelerator, CUDAAccelerator, MPSAccelerator
 from fabric.input_types import AcceleratorInput, DevicesInput, PluginInput, PrecisionInput, StrategyInput
 from fabric.plugins.io import CheckpointIO
@@ -76,7 +77,10 @@ class Connector:
                 name = "ddp"
             if name not in STRATEGY_REGISTRY:
                 accepted = ", ".join(repr(n) for n in ("auto", *STRATEGY_REGISTRY))
-                raise ValueError(f"strategy={strategy!r} is not a known strategy; accepted: {accepted}, or a Strategy instance")
+                raise ValueError(
+                    f"strategy={strategy!r} is not a known strategy; accepted: {accepted}, or a Strategy instance"
+                    + did_you_mean(strategy, ("auto", *STRATEGY_REGISTRY))
+                )
             if name == "single_device" and (len(self.parallel_devices) > 1 or self.num_nodes > 1):
                 raise ValueError(
                     f"strategy='single_device' runs one process on one device, but devices={len(self.parallel_devices)}"
@@ -180,7 +184,10 @@ def _select_accelerator(accelerator: Any, strategy: Any) -> Accelerator:
         raise RuntimeError("accelerator='gpu' was asked for, but neither a CUDA nor an MPS device is available")
     if name not in ACCELERATOR_REGISTRY:
         accepted = ", ".join(repr(n) for n in ("auto", "gpu", *ACCELERATOR_REGISTRY))
-        raise ValueError(f"accelerator={accelerator!r} is not a known accelerator; accepted: {accepted}")
+        raise ValueError(
+            f"accelerator={accelerator!r} is not a known accelerator; accepted: {accepted}"
+            + did_you_mean(accelerator, ("auto", "gpu", *ACCELERATOR_REGISTRY))
+        )
     cls = ACCELERATOR_REGISTRY[name]
     if not cls.is_available():
         raise RuntimeError(f"accelerator={accelerator!r} was asked for, but it is not available on this machine")

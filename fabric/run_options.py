@@ -16,6 +16,7 @@ from typing import Any
 from fabric._core.devices import DevicesSyntaxError, parse_devices
 from fabric._core.env import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV
 from fabric._core.names import ACCELERATOR_CHOICES, PRECISION_ALIASES, PRECISION_VALUES
+from fabric._core.suggestions import did_you_mean
 from fabric._core.urls import is_url, redact
 
 __all__ = [
@@ -58,7 +59,9 @@ def _choice(option: str, accepted: Sequence[str], extra: dict[str, str] | None =
                 f"{option}={value!r} cannot be used with `{prog} run`: {extra[value.lower()]}."
                 f" Accepted: {', '.join(accepted)}"
             )
-        raise argparse.ArgumentTypeError(f"{option}={value!r} is not known; accepted: {', '.join(accepted)}")
+        raise argparse.ArgumentTypeError(
+            f"{option}={value!r} is not known; accepted: {', '.join(accepted)}{did_you_mean(value, accepted)}"
+        )
 
     return parse
 
@@ -305,15 +308,17 @@ def build_run_parser(prog: str = PROG, about: str = "") -> argparse.ArgumentPars
     return parser
 
 
-def _split_argv(argv: Sequence[str], flags: set[str]) -> tuple[list[str], str | None, list[str]]:
+def _split_argv(argv: Sequence[str], flags: set[str]) -> tuple[list[str], str | None, list[str], list[str]]:
     """Separate Fabric's options from SCRIPT and the script's own arguments.
 
     Like Lightning's CLI, Fabric's options are recognised before and after SCRIPT; unknown options
-    after SCRIPT belong to the script (``--help`` too), and '--' ends Fabric's options.
+    after SCRIPT belong to the script (``--help`` too), and '--' ends Fabric's options. The fourth list:
+    the tokens of Fabric's options that came after SCRIPT (the user is told, see ``RunConfig.taken_after_script``).
     """
     ours: list[str] = []
     script: str | None = None
     rest: list[str] = []
+    after: list[str] = []
     tokens = list(argv)
     i = 0
     while i < len(tokens):
@@ -328,10 +333,11 @@ def _split_argv(argv: Sequence[str], flags: set[str]) -> tuple[list[str], str | 
         if token in ("-h", "--help") and script is None:
             ours.append(token)  # after SCRIPT, --help is the script's
         elif name in flags:
-            ours.append(token)
-            if "=" not in token and i + 1 < len(tokens):
-                ours.append(tokens[i + 1])
-                i += 1
+            taken = [token] if "=" in token or i + 1 == len(tokens) else [token, tokens[i + 1]]
+            ours.extend(taken)
+            if script is not None:
+                after.extend(taken)
+            i += len(taken) - 1
         elif script is None and token.startswith("-") and token != "-":
             ours.append(token)  # an unknown option before SCRIPT: let argparse report it
         elif script is None:
@@ -339,7 +345,7 @@ def _split_argv(argv: Sequence[str], flags: set[str]) -> tuple[list[str], str | 
         else:
             rest.append(token)
         i += 1
-    return ours, script, rest
+    return ours, script, rest, after
 
 
 @dataclass
@@ -367,6 +373,20 @@ class RunConfig:
     replica_group: int | None = None
     num_replica_groups: int | None = None
     lighthouse: str | None = None
+    #: Fabric's options given after SCRIPT, taken as this command's own (as Lightning's does), e.g. ("--strategy", "ddp")
+    taken_after_script: tuple[str, ...] = ()
+
+    def taken_after_script_note(self) -> str | None:
+        """One line telling that options after SCRIPT were taken as this command's, and how to hand them to the script."""
+        if not self.taken_after_script:
+            return None
+        given = " ".join(self.taken_after_script)
+        one = sum(token.startswith("-") for token in self.taken_after_script) == 1
+        taken, it = ("was taken as an option", "it") if one else ("were taken as options", "them")
+        return (
+            f"{given}, after {self.script}, {taken} of `{self.prog} run` (as Lightning's CLI does); to pass {it} to"
+            f" the script instead, write {it} after '--': {self.prog} run [options] {self.script} -- {given}"
+        )
 
     @property
     def elastic(self) -> bool:
@@ -383,7 +403,7 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
     """Parse and check ``fabric-torch run`` arguments; exits with status 2 and a message naming the bad value."""
     parser = build_run_parser(prog, about)
     flag_to_dest = {flag: dest for dest, flags, _ in _options() for flag in flags}
-    ours, script, rest = _split_argv(argv, set(flag_to_dest))
+    ours, script, rest, after = _split_argv(argv, set(flag_to_dest))
     args = parser.parse_args([*ours, "--", script] if script is not None else ours)
     given = frozenset(flag_to_dest[token.split("=", 1)[0]] for token in ours if token.split("=", 1)[0] in flag_to_dest)
     min_nodes, num_nodes = args.num_nodes
@@ -448,4 +468,5 @@ def parse_run_args(argv: Sequence[str], prog: str = PROG, about: str = "") -> Ru
         replica_group=args.replica_group,
         num_replica_groups=args.num_replica_groups,
         lighthouse=args.lighthouse,
+        taken_after_script=tuple(after),
     )

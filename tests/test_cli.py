@@ -282,6 +282,49 @@ def test_options_before_and_after_script_and_the_double_dash() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_misspelt_option_value_is_answered_with_the_closest_accepted_one(capsys: pytest.CaptureFixture) -> None:
+    code, _, err = _main(["run", "--strategy", "fsdp2", str(RANKS_ENV)], capsys)
+    assert code == 2 and "--strategy='fsdp2' is not known; accepted: auto, " in err, err
+    assert err.rstrip().endswith("; did you mean 'fsdp'?"), err
+    code, _, err = _main(["run", "--strategy", "ddp_spwan", str(RANKS_ENV)], capsys)
+    assert code == 2 and "did you mean" not in err  # ddp_spawn starts its own processes: never offered to `run`
+    code, _, err = _main(["run", "--precision", "bf16mixed", str(RANKS_ENV)], capsys)
+    assert code == 2 and err.rstrip().endswith("; did you mean 'bf16-mixed'?"), err
+    code, _, err = _main(["run", "--accelerator", "cpus", str(RANKS_ENV)], capsys)
+    assert code == 2 and err.rstrip().endswith("accepted: auto, cpu, cuda, gpu, mps; did you mean 'cpu'?"), err
+
+
+@pytest.mark.timeout(10)
+def test_an_option_after_the_script_taken_as_ours_is_said_in_one_line_with_the_way_to_pass_it_on() -> None:
+    config = run_options.parse_run_args([str(RANKS_ENV), "--lr", "1", "--strategy", "ddp"], prog="fabric-torch")
+    assert config.strategy == "ddp" and config.script_args == ["--lr", "1"]  # as Lightning's CLI takes it
+    assert config.taken_after_script == ("--strategy", "ddp")
+    note = config.taken_after_script_note()
+    assert note is not None and "\n" not in note
+    assert note.startswith(f"--strategy ddp, after {RANKS_ENV}, was taken as an option of `fabric-torch run`")
+    assert note.endswith(f"write it after '--': fabric-torch run [options] {RANKS_ENV} -- --strategy ddp")
+    several = run_options.parse_run_args([str(RANKS_ENV), "--devices=2", "--precision", "bf16-mixed"])
+    assert several.taken_after_script == ("--devices=2", "--precision", "bf16-mixed")
+    assert "were taken as options of" in (several.taken_after_script_note() or "")
+    for argv in (["--devices", "2", str(RANKS_ENV), "--lr", "1"], [str(RANKS_ENV), "--", "--strategy", "ddp"]):
+        config = run_options.parse_run_args(argv)
+        assert config.taken_after_script == () and config.taken_after_script_note() is None
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(40)
+def test_after_a_double_dash_an_option_reaches_the_script_and_before_it_the_user_is_told(tmp_path: Path) -> None:
+    taken = run(fabric_run(RANKS_ENV, tmp_path / "taken", "--lr", "1", "--strategy", "ddp"), timeout=35)
+    notes = [line for line in taken.stderr.splitlines() if line.startswith("[fabric]")]
+    assert len(notes) == 1 and "--strategy ddp, after" in notes[0] and f"{RANKS_ENV} -- --strategy ddp" in notes[0], taken.stderr
+    assert read_ranks(tmp_path / "taken")[0]["argv"] == ["--lr", "1"]  # the script never saw it
+    passed = run(fabric_run(RANKS_ENV, tmp_path / "passed", "--", "--strategy", "ddp"), timeout=35)
+    assert "[fabric]" not in passed.stderr, passed.stderr
+    record = read_ranks(tmp_path / "passed")[0]
+    assert record["argv"] == ["--strategy", "ddp"] and "FABRIC_STRATEGY" not in record["fabric"]
+
+
+@pytest.mark.timeout(10)
 def test_without_a_script_only_the_script_is_said_to_be_missing(capsys: pytest.CaptureFixture) -> None:
     code, _, err = _main(["run", "--devices", "2"], capsys)
     assert code == 2
@@ -440,7 +483,7 @@ time.sleep(60)
 @pytest.mark.parametrize(
     ("how", "status", "said"),
     [
-        ("raise", 1, "rank 1 raised an exception (traceback above), pid"),
+        ("raise", 1, "rank 1 raised ValueError, pid"),
         ("exit", 3, "rank 1 exited with code 3, pid"),
         ("sigkill", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL, pid"),
     ],

@@ -99,6 +99,23 @@ def test_unknown_strategy():
         Fabric(accelerator="cpu", strategy="fast")
 
 
+@pytest.mark.parametrize(
+    ("argument", "typo", "meant"),
+    [("strategy", "ddp_spwan", "ddp_spawn"), ("strategy", "fsdp2", "fsdp"), ("accelerator", "cpus", "cpu"),
+     ("accelerator", "CUDA0", "cuda"), ("precision", "bf16mixed", "bf16-mixed"), ("precision", "16_true", "16-true")],
+)
+def test_a_misspelt_name_is_answered_with_the_closest_accepted_one(argument, typo, meant):
+    with raises(ValueError, f"{argument}={typo!r}", "accepted", f"; did you mean {meant!r}?"):
+        Fabric(**{"accelerator": "cpu", argument: typo})
+
+
+def test_a_name_close_to_none_gets_no_guess():
+    for kwargs in ({"strategy": "fast"}, {"accelerator": "tpux"}, {"precision": "half"}):
+        with pytest.raises(ValueError, match="accepted") as info:
+            Fabric(**{"accelerator": "cpu", **kwargs})
+        assert "did you mean" not in str(info.value)
+
+
 def test_strategy_of_a_wrong_type():
     with raises(TypeError, "strategy=3", "name or a Strategy instance", "int"):
         Fabric(accelerator="cpu", strategy=3)

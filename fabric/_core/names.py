@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fabric._core.suggestions import did_you_mean
+
 __all__ = ["ACCELERATOR_CHOICES", "ACCELERATOR_NAMES", "PRECISION_ALIASES", "PRECISION_VALUES", "normalize_precision"]
 
 #: The accelerators of the registry, one class each.
@@ -38,5 +40,6 @@ def normalize_precision(precision: Any) -> str:
     canonical = PRECISION_ALIASES.get(precision, precision)
     if canonical not in PRECISION_VALUES:
         accepted = ", ".join(repr(v) for v in (*PRECISION_VALUES, 32, 64, 16, "bf16"))
-        raise ValueError(f"precision={precision!r} is not supported; accepted: {accepted}")
+        close = did_you_mean(precision, (*PRECISION_VALUES, "bf16"))
+        raise ValueError(f"precision={precision!r} is not supported; accepted: {accepted}{close}")
     return canonical
