@@ -7,9 +7,9 @@ that only needs a submodule) starts ranks without first paying for ``import torc
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from fabric._core.lazy import submodule
+from fabric._core.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 __all__ = ["Fabric", "seed_everything"]
@@ -26,9 +26,4 @@ if not logging.getLogger().hasHandlers():
     _logger.propagate = False
 
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from fabric import fabric as _facade
-
-        return getattr(_facade, name)
-    return submodule(__name__, name)  # a submodule, e.g. fabric.loggers
+__getattr__ = lazy_attributes(__name__, dict.fromkeys(__all__, "fabric.fabric"))  # (or a submodule, e.g. fabric.loggers)

@@ -6,10 +6,9 @@ Names are resolved on first use: the cluster environments import only the standa
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from fabric._core.lazy import submodule
+from fabric._core.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from fabric.plugins.environments import ClusterEnvironment
@@ -38,9 +37,4 @@ __all__ = [
     "Precision",
     "TorchCheckpointIO",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MODULES:
-        return getattr(importlib.import_module(_MODULES[name]), name)
-    return submodule(__name__, name)  # a submodule, e.g. fabric.plugins.collectives
+__getattr__ = lazy_attributes(__name__, _MODULES)  # (or a submodule, e.g. fabric.plugins.collectives)

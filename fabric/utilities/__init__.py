@@ -6,10 +6,7 @@ ones (data, distributed, throughput) load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from fabric._core.lazy import submodule
+from fabric._core.lazy import lazy_attributes
 from fabric.utilities.apply_func import move_data_to_device
 from fabric.utilities.rank_zero import rank_zero_deprecation, rank_zero_info, rank_zero_only, rank_zero_warn
 from fabric.utilities.seed import seed_everything
@@ -24,12 +21,7 @@ _LAZY = {
     "ThroughputMonitor": "fabric.utilities.throughput",
     "measure_flops": "fabric.utilities.throughput",
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    return submodule(__name__, name)  # a submodule, e.g. fabric.utilities.types
+__getattr__ = lazy_attributes(__name__, _LAZY)  # (or a submodule, e.g. fabric.utilities.types)
 
 
 __all__ = [

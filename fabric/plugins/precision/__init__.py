@@ -8,7 +8,6 @@ no casting at all), ``DoublePrecision`` / ``HalfPrecision`` (parameters and inpu
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from fabric._core.lazy import submodule
+from fabric._core.lazy import lazy_attributes
 
 # re-exported: the names live in the torch-free core, where `fabric run` reads them too
 from fabric._core.names import PRECISION_ALIASES as PRECISION_ALIASES
@@ -243,8 +242,5 @@ def precision_for(precision: str, device_type: str) -> Precision:
     return MixedPrecision(precision, device_type)
 
 
-def __getattr__(name: str) -> Any:
-    # Lightning's path for it; resolved by name, as fabric.plugins does: its module imports this one
-    if name == "BitsandbytesPrecision":
-        return importlib.import_module("fabric.plugins.precision.bitsandbytes").BitsandbytesPrecision
-    return submodule(__name__, name)
+# Lightning's path for it; resolved by name, as fabric.plugins does: its module imports this one
+__getattr__ = lazy_attributes(__name__, {"BitsandbytesPrecision": "fabric.plugins.precision.bitsandbytes"})
