@@ -297,6 +297,20 @@ class Fabric:
                 " back-propagate: fabric.backward(tensor, gradient)"
             ) from None
 
+    def pipeline_step(
+        self, model: FabricModule, *inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], Tensor] | None = None,
+        backward: bool = True,
+    ) -> Tensor:
+        """One step of a pipeline-parallel model (``ModelParallelStrategy(pipeline_parallel_size=...)``): forward and
+        backward over the microbatches the batch is split into (the first stage takes ``inputs``, the last
+        ``target``), in place of ``model(x)`` and ``fabric.backward(loss)``.
+
+        ``loss_fn(output, target)`` gives one microbatch's loss. Returns the step's loss on every rank: the mean over
+        its microbatches and the data-parallel ranks. Gradients accumulate over steps until ``optimizer.step()``,
+        which sees the mean over every microbatch since the last one. ``backward=False`` evaluates (no gradients).
+        """
+        return self._strategy.pipeline_step(model, inputs, target, loss_fn, backward)
+
     def clip_gradients(
         self,
         module: Module,

@@ -48,9 +48,13 @@ def prepare_module(
 
 
 def wrap_module(wrapped: Module, module: Module, strategy: Strategy, compile_context: Any) -> FabricModule:
-    """The ``FabricModule`` around the strategy's ``wrapped`` module (compiled again if the user's was)."""
+    """The ``FabricModule`` around the strategy's ``wrapped`` module (compiled again if the user's was). A strategy
+    that keeps only part of the user's module (this rank's pipeline stages) returns a module that does not hold it:
+    that module is then the one the wrapper stands for."""
     if compile_context is not None:
         wrapped = compile_again(wrapped, compile_context)
+    if not any(part is module for part in wrapped.modules()):
+        module = wrapped
     return FabricModule(wrapped, strategy, original_module=module)
 
 

@@ -44,6 +44,7 @@ EXTRA_MEMBERS = {
     "batch_to_device": "moves a batch as the strategy does (DataParallel keeps it on the CPU); Lightning has it on its strategies only",
     "reduce_boolean_decision": "the strategy's agreement on one flag, e.g. any rank asks to stop; Lightning has it on its strategies only",
     "preempted": "a collective flag: the cluster warned a rank that it will take the machine (docs/preemption.md)",
+    "pipeline_step": "a step of a pipeline-parallel model (docs/pipeline.md); Lightning has no pipeline parallelism",
 }
 #: Our parameters that Lightning's methods lack, each with the reason; they come after Lightning's, with defaults.
 EXTRA_PARAMETERS = {

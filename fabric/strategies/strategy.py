@@ -251,6 +251,14 @@ class Strategy(ABC):
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
         return self.precision.optimizer_step(optimizer, **kwargs)
 
+    def pipeline_step(self, module: Module, inputs: tuple[Any, ...], target: Any, loss_fn: Any, backward: bool) -> Tensor:
+        """A step of a pipeline-parallel model (``Fabric.pipeline_step``): only strategies that split a model into stages run one."""
+        raise TypeError(
+            f"fabric.pipeline_step() runs a model split into pipeline stages, which {type(self).__name__} does not do;"
+            " use ModelParallelStrategy(parallelize_fn, pipeline_parallel_size=N, pipeline_split=[...]), or call the"
+            " model and fabric.backward() as usual"
+        )
+
     def clip_gradients_norm(
         self,
         module: Module,

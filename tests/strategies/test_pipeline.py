@@ -1,0 +1,214 @@
+"""Pipeline parallelism in ``ModelParallelStrategy``: its checks and parts in this process, then real jobs.
+
+Each job (``support/scripts/pipeline/pp_job.py``, 2 or 4 processes under ``fabric-torch run``) trains the same model
+on the same batches as one process of plain torch running the same microbatches (the script with ``--pp 0``), and
+must end with the same losses, parameters and optimizer state: fp32 within 1e-6 (losses, relative) and 1e-5
+(parameters), fp64 within 1e-12.
+"""
+
+from __future__ import annotations
+
+import glob
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fabric.strategies import ModelParallelStrategy
+from fabric.strategies.pipeline_stages import (
+    PipelineError,
+    PipelineModule,
+    _keep_stage_parameters,
+    microbatch_count,
+    schedule_class,
+    stage_indices,
+    stage_layout,
+)
+from support.environment import clean_env
+from support.loading import script_path
+from support.processes import fabric_run, run
+
+JOB = script_path("pipeline", "pp_job.py")
+
+
+def _parallelize(module, mesh):
+    return module
+
+
+# ---- checks and parts, in this process -------------------------------------------------------------------------
+
+
+def test_schedules_are_torchs_by_name_and_a_typo_is_refused_with_the_closest() -> None:
+    assert schedule_class("1f1b").__name__ == "Schedule1F1B"
+    assert schedule_class("ZBVZeroBubble").__name__ == "ScheduleZBVZeroBubble"
+    with pytest.raises(ValueError, match=r"pipeline_schedule='Interleaved1FB' is not valid; accepted: \[.*'GPipe'.*\]; did you"
+                       r" mean 'Interleaved1F1B'\?"):
+        ModelParallelStrategy(_parallelize, pipeline_parallel_size=2, pipeline_split=["b"], pipeline_schedule="Interleaved1FB")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "names", "said"),
+    [
+        ("1F1B", 3, "pipeline_split has 3 name(s), which make 4 stage(s); pipeline_schedule='1F1B' runs one stage per rank,"
+                    " so pipeline_parallel_size=2 needs 2 stage(s): 1 name(s)"),
+        ("ZBVZeroBubble", 1, "runs two stages per rank, so pipeline_parallel_size=2 needs 4 stage(s): 3 name(s)"),
+        ("Interleaved1F1B", 4, "runs a whole number of stages per rank, so pipeline_parallel_size=2 needs 4 stage(s)"),
+    ],
+)
+def test_a_split_that_does_not_fit_the_schedule_is_refused_with_the_numbers(schedule: str, names: int, said: str) -> None:
+    with pytest.raises(ValueError, match="pipeline_split has") as info:
+        ModelParallelStrategy(_parallelize, pipeline_parallel_size=2, pipeline_split=[f"m{i}" for i in range(names)], pipeline_schedule=schedule)
+    assert said in str(info.value)
+
+
+def test_stages_are_placed_looped_or_in_a_v() -> None:
+    assert stage_layout(schedule_class("1F1B"), 4, 3) == (1, False)
+    assert stage_layout(schedule_class("Interleaved1F1B"), 2, None) == (2, False)
+    assert stage_layout(schedule_class("DualPipeV"), 2, 3) == (2, True)
+    assert [stage_indices(rank, 2, 2, False) for rank in (0, 1)] == [[0, 2], [1, 3]]
+    assert [stage_indices(rank, 2, 2, True) for rank in (0, 1)] == [[0, 3], [1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "said"),
+    [
+        ({"pipeline_parallel_size": 0}, ValueError, "pipeline_parallel_size=0 is not valid; accepted: an int >= 1"),
+        ({"pipeline_parallel_size": 2, "pipeline_split": "layers.4"}, TypeError, "pipeline_split='layers.4' is not valid"),
+        ({"pipeline_parallel_size": 2, "pipeline_split": ["a", "a"]}, ValueError, "names a module twice"),
+        ({"microbatches": 0}, ValueError, "microbatches=0 is not valid"),
+    ],
+)
+def test_bad_pipeline_arguments_are_refused_naming_the_value(kwargs, error, said) -> None:
+    with pytest.raises(error) as info:
+        ModelParallelStrategy(_parallelize, **kwargs)
+    assert said in str(info.value)
+
+
+def test_a_batch_must_divide_into_the_microbatches() -> None:
+    assert microbatch_count((torch.zeros(8, 3),), torch.zeros(8), 4) == 8
+    with pytest.raises(ValueError, match=r"a batch of 6 does not divide into microbatches=4; accepted: batch sizes that are"
+                       r" a multiple of 4"):
+        microbatch_count((torch.zeros(6, 3),), None, 4)
+    with pytest.raises(ValueError, match=r"different batch sizes \[6, 8\]"):
+        microbatch_count((torch.zeros(8, 3),), torch.zeros(6), 2)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2, 4)
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("steps", torch.zeros(()), persistent=False)
+
+
+def test_the_pipeline_module_keeps_the_whole_models_names_before_and_after_the_split_and_changes_no_stage() -> None:
+    model = _Net()
+    pipeline = PipelineModule(model)
+    assert list(pipeline.state_dict()) == list(model.state_dict())
+    with pytest.raises(PipelineError, match=r"fabric.pipeline_step\(model, \*inputs, target=target, loss_fn=loss_fn\)"):
+        pipeline(torch.zeros(1, 2))
+    optimizer = torch.optim.SGD(pipeline.parameters(), lr=0.1, momentum=0.9)
+    pipeline.follow(optimizer)
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()  # momentum for every parameter of the whole model
+    # this rank's two stages (as a tracing split leaves them): layers 0-1 with the embedding, layers 3 with `scale`
+    first, second = nn.Module(), nn.Module()
+    first.embed, first.layers = model.embed, nn.Module()
+    first.layers.add_module("0", model.layers[0])
+    first.layers.add_module("1", model.layers[1])
+    second.layers = nn.Module()
+    second.layers.add_module("3", model.layers[3])
+    second.scale = model.scale
+    before = [dict(stage.named_parameters()) for stage in (first, second)]
+    pipeline.split([first, second], [0, 2], lambda module, index: (module, index))
+    assert sorted(pipeline.state_dict()) == sorted(k for k in model.state_dict() if not k.startswith("layers.2."))
+    assert [dict(stage.named_parameters()) for stage in (first, second)] == before  # the stages themselves unchanged
+    kept = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert kept == {id(p) for p in pipeline.parameters()} and id(model.layers[2].weight) not in kept
+    assert set(optimizer.state) == set(pipeline.parameters())  # the momentum of the kept parameters stays
+    assert pipeline.whole_model is None and pipeline.whole_model_keys == frozenset(model.state_dict())
+
+
+def test_an_optimizer_over_a_parameter_of_another_model_cannot_follow_the_split() -> None:
+    with pytest.raises(PipelineError, match="holds a parameter that is not the model's"):
+        _keep_stage_parameters(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), {}, {})
+
+
+# ---- real jobs -------------------------------------------------------------------------------------------------
+
+PAIRS = [
+    # (processes, arguments, what it shows)
+    pytest.param(2, ["--schedule", "GPipe", "--eval"], id="GPipe-2-eval"),
+    pytest.param(2, ["--schedule", "1F1B", "--accumulate", "2", "--clip", "0.5"], id="1F1B-2-accumulate-clip"),
+    pytest.param(2, ["--schedule", "Interleaved1F1B", "--dtype", "float64", "--optimizer", "adamw"], id="Interleaved1F1B-2-fp64"),
+    pytest.param(2, ["--schedule", "ZBVZeroBubble", "--eval"], id="ZBVZeroBubble-2-eval"),
+    pytest.param(2, ["--schedule", "1F1B", "--split", "function"], id="1F1B-2-split-function"),
+    pytest.param(4, ["--pp", "4", "--schedule", "GPipe"], id="GPipe-4"),
+    pytest.param(4, ["--pp", "4", "--schedule", "1F1B", "--clip", "0.5"], id="1F1B-4-clip"),
+    pytest.param(4, ["--pp", "4", "--schedule", "Interleaved1F1B", "--microbatches", "8"], id="Interleaved1F1B-4"),
+    pytest.param(4, ["--pp", "4", "--schedule", "ZBVZeroBubble", "--microbatches", "8", "--eval"], id="ZBVZeroBubble-4-eval"),
+    pytest.param(4, ["--dp", "2", "--shard", "fsdp", "--optimizer", "adamw"], id="pp2-dp2-FSDP2"),
+    pytest.param(4, ["--dp", "2", "--shard", "ddp"], id="pp2-dp2-DDP"),
+    pytest.param(4, ["--tp", "2", "--accumulate", "2"], id="pp2-tp2"),
+]
+
+
+def _ranks(out: Path) -> tuple[dict, list, dict, list]:
+    params, state, losses, evals = {}, {}, None, []
+    for path in sorted(glob.glob(str(out / "rank*.pt"))):
+        result = torch.load(path, weights_only=False)
+        params.update(result["params"])
+        state.update(result["state"])
+        assert losses is None or result["losses"] == losses, "every rank returns the same step losses"
+        losses = result["losses"]
+        evals.append(result.get("eval_loss"))
+    return params, state, losses or [], evals
+
+
+def compare_with_reference(out: Path, float64: bool) -> None:
+    reference = torch.load(out / "reference.pt")
+    params, state, losses, evals = _ranks(out)
+    loss_tolerance, tensor_tolerance = (1e-12, 1e-12) if float64 else (1e-6, 1e-5)
+    assert len(losses) == len(reference["losses"])
+    for got, want in zip(losses, reference["losses"]):
+        assert abs(got - want) <= loss_tolerance * abs(want), (losses, reference["losses"])
+    assert set(params) == set(reference["params"])
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=tensor_tolerance, msg=name)
+    assert set(state) == set(reference["state"])
+    for name, values in reference["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                torch.testing.assert_close(state[name][key], value, rtol=0, atol=tensor_tolerance, msg=f"{name} {key}")
+    if "eval_loss" in reference:
+        assert all(abs(value - reference["eval_loss"]) <= loss_tolerance * abs(reference["eval_loss"]) for value in evals), evals
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("processes", "arguments"), PAIRS)
+def test_a_pipeline_equals_one_process_running_the_same_microbatches(tmp_path: Path, processes: int, arguments: list[str]) -> None:
+    arguments = arguments if "--pp" in arguments else ["--pp", "2", *arguments]
+    run([sys.executable, str(JOB), str(tmp_path), *arguments, "--pp", "0"], timeout=120, env=clean_env())
+    run(fabric_run("--devices", processes, JOB, tmp_path, *arguments), timeout=200, env=clean_env(OMP_NUM_THREADS="1"))
+    compare_with_reference(tmp_path, float64="float64" in arguments)
+
+
+@pytest.mark.procs
+@pytest.mark.cold
+@pytest.mark.timing
+@pytest.mark.timeout(120)
+def test_a_stage_rank_killed_mid_schedule_ends_the_job_within_seconds_naming_it(tmp_path: Path) -> None:
+    """Rank 1 (the last stage) SIGKILLs itself in its second step, while rank 0 is blocked in a send or receive."""
+    started = time.monotonic()
+    result = run(fabric_run("--devices", 2, JOB, tmp_path, "--pp", "2", "--steps", "4", "--die-rank", "1", "--die-at", "1"),
+                 timeout=100, env=clean_env(OMP_NUM_THREADS="1"), check=False)
+    took = time.monotonic() - started
+    assert result.returncode == 128 + 9 or result.returncode == -9 or result.returncode == 137, result.stderr[-3000:]
+    assert "rank 1 was killed by SIGKILL" in result.stderr, result.stderr[-3000:]
+    assert took < 40, took
