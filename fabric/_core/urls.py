@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from fabric._core.extras import install_hint
+
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(::[A-Za-z][A-Za-z0-9+.\-]*)*://")
 
 # scheme -> (the module fsspec needs for it, the extra of fabric-torch that installs it)
@@ -294,7 +296,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     except ImportError:
         raise MissingStorageLibraryError(
             f"{redact(url)!r} is a URL; reading and writing URLs needs fsspec, which is not installed:"
-            f" pip install 'fabric-torch[{extra}]'"
+            f" {install_hint(extra)}"
         ) from None
     known = set(fsspec.available_protocols())
     for protocol in _protocols(url):
@@ -309,7 +311,7 @@ def filesystem(url: str) -> tuple[Any, str]:
             module, extra = _LIBRARIES.get(protocol, (protocol, protocol))
             raise MissingStorageLibraryError(
                 f"{redact(url)!r} needs the storage library for {protocol}:// ({module}), which is not installed:"
-                f" pip install 'fabric-torch[{extra}]'"
+                f" {install_hint(extra)}"
             ) from None
     check_place(url)
     check_no_query(url)

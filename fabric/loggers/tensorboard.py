@@ -36,7 +36,8 @@ __all__ = ["TensorBoardLogger"]
 
 _INSTALL_HINT = (
     "TensorBoardLogger needs the tensorboard package, which is not installed."
-    " Install it with `pip install fabric-torch[tensorboard]` (or `pip install tensorboard`)."
+    " Install it with `pip install fabric-torch[tensorboard]` (from a checkout of fabric: `pip install -e '.[tensorboard]'`;"
+    " or `pip install tensorboard`)."
 )
 
 

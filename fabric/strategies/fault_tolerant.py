@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from fabric._core.env import LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV
+from fabric._core.extras import install_hint
 from fabric._core.job_secret import job_secret
 from fabric._core.listening import lighthouse_on_loopback, replica_job_address
 from fabric.checkpoint.errors import CheckpointMismatchError
@@ -73,7 +74,7 @@ def import_torchft() -> Any:
         import torchft.process_group
     except ImportError as err:
         raise ModuleNotFoundError(
-            f"strategy 'ddp_ft' needs torchft, which is not installed ({err}): pip install 'fabric-torch[ft]'"
+            f"strategy 'ddp_ft' needs torchft, which is not installed ({err}): {install_hint('ft')}"
         ) from None
     return torchft
 

@@ -52,7 +52,7 @@ DEFAULT_PORT = 29510
 #: waits for it, so it is the most a death costs them beyond the step it dropped; groups heartbeat every 100 ms.
 DEFAULT_HEARTBEAT_TIMEOUT_MS = 1000
 #: What installs torchft.
-FT_EXTRA = "pip install 'fabric-torch[ft]'"
+FT_EXTRA = "pip install 'fabric-torch[ft]' (from a checkout of fabric: pip install -e '.[ft]')"
 #: The exit status when the server cannot start: torchft missing, or the address cannot be bound.
 CANNOT_START_STATUS = 1
 #: The addresses that mean every interface: the printed address then names this machine by its host name.

@@ -113,7 +113,7 @@ def import_bitsandbytes() -> ModuleType:
             raise
         raise ModuleNotFoundError(
             "BitsandbytesPrecision needs the `bitsandbytes` package, which is not installed: pip install bitsandbytes"
-            " (or pip install 'fabric-torch[bitsandbytes]')",
+            " (or pip install 'fabric-torch[bitsandbytes]'; from a checkout of fabric: pip install -e '.[bitsandbytes]')",
             name="bitsandbytes",
         ) from None
     return bitsandbytes
