@@ -388,7 +388,7 @@ def _bytes_of(path: Path) -> dict[str, bytes]:
 @pytest.mark.timeout(120)
 def test_mismatched_collective_shapes_are_named_in_torch_debug_mode(tmp_path):
     """Ranks that all_reduce tensors of different shapes: gloo aborts (nothing hangs); with
-    TORCH_DISTRIBUTED_DEBUG=DETAIL, as the README says, the error names the collective and both shapes."""
+    TORCH_DISTRIBUTED_DEBUG=DETAIL, as docs/never_hang.md says, the error names the collective and both shapes."""
     import subprocess
     import sys
 

@@ -6,7 +6,7 @@ on that process group; the state saved with ``fabric.save`` (model, optimizer, t
 every rank's random state) goes to Ray as the run's checkpoint, and a restarted attempt loads the latest
 one with ``fabric.load`` and continues as if nothing had happened.
 
-    pip install 'fabric-torch[ray]'
+    pip install -e '.[ray]'                                               # in a checkout of fabric
     python examples/ray/train_ray.py --out /tmp/ray-run                   # 2 CPU workers, uninterrupted
     python examples/ray/train_ray.py --out /tmp/ray-kill --fail-at 23     # worker 1 SIGKILLs itself at step 23, once
 

@@ -8,7 +8,7 @@ all of its weights; each rank allocates only its shards when ``setup_module`` sh
     python examples/transformer/train_fabric.py --devices 2 --strategy tp      # tensor parallel (x data parallel)
     python examples/transformer/train_fabric.py --devices 2 --strategy fsdp --resume   # continue the last run
 
-Needs ``pip install fabric-torch[examples]`` (matplotlib, tqdm). Writes to ``--out``: a sharded
+Needs ``pip install -e '.[examples]'`` in a checkout of fabric (matplotlib, tqdm). Writes to ``--out``: a sharded
 checkpoint folder after every epoch, ``loss_curve.png``, CSV logs, ``results.json`` and a sample.
 """
 
