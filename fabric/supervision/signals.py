@@ -61,18 +61,12 @@ class SignalPipe:
         self.fd: int | None = None
         self._pending: list[int] = []  # read from the pipe, not taken yet
         self._write_fd: int | None = None
-        if threading.current_thread() is not threading.main_thread():
+        pipe = _wakeup_pipe()
+        if pipe is None:
             return
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(read_fd, False)
-        os.set_blocking(write_fd, False)
-        try:
-            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        except (ValueError, OSError):
-            previous = None
+        read_fd, write_fd, previous = pipe
         if previous != -1:
-            if previous is not None:
-                signal.set_wakeup_fd(previous)  # somebody else's: leave it to them
+            signal.set_wakeup_fd(previous)  # somebody else's: leave it to them
             os.close(read_fd)
             os.close(write_fd)
             return
@@ -90,14 +84,8 @@ class SignalPipe:
 
     def release_after_fork(self) -> None:
         """In a forked copy of this process: stop feeding the pipe, which belongs to the parent."""
-        if self._write_fd is None:
-            return
-        try:
-            previous = signal.set_wakeup_fd(-1)
-            if previous != self._write_fd:
-                signal.set_wakeup_fd(previous)  # not ours any more: leave it alone
-        except (ValueError, OSError):
-            pass
+        if self._write_fd is not None:
+            _stop_feeding(self._write_fd)
 
     def close(self) -> None:
         if self.fd is None or self._write_fd is None:
@@ -127,17 +115,10 @@ class SignalTap:
         self._write_fd: int | None = None
         self._next_fd: int | None = None  # a copy of the descriptor set before ours: every byte goes on to it
         self._owner = os.getpid()
-        if threading.current_thread() is not threading.main_thread():
+        pipe = _wakeup_pipe()
+        if pipe is None:
             return
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(read_fd, False)
-        os.set_blocking(write_fd, False)
-        try:
-            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        except (ValueError, OSError):
-            os.close(read_fd)
-            os.close(write_fd)
-            return
+        read_fd, write_fd, previous = pipe
         if previous != -1:
             try:
                 self._next_fd = os.dup(previous)  # its pipe stays open for us even after its owner closes it
@@ -188,12 +169,7 @@ class SignalTap:
         """In a forked copy of the process: stop feeding the tap (no thread reads it here) and drop its descriptors."""
         if self._write_fd is None:
             return
-        try:
-            previous = signal.set_wakeup_fd(-1)
-            if previous != self._write_fd:
-                signal.set_wakeup_fd(previous)  # not ours: leave it alone
-        except (ValueError, OSError):
-            pass
+        _stop_feeding(self._write_fd)
         for fd in (self._read_fd, self._write_fd, self._next_fd):
             if fd is not None:
                 try:
@@ -201,6 +177,32 @@ class SignalTap:
                 except OSError:
                     pass
         self._read_fd = self._write_fd = self._next_fd = None
+
+
+def _wakeup_pipe() -> tuple[int, int, int] | None:
+    """A new non-blocking pipe whose write end is now this process's wakeup descriptor: (read end, write end, the
+    descriptor set before it, -1 for none). None off the main thread, or where the descriptor cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    try:
+        return read_fd, write_fd, signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        os.close(read_fd)
+        os.close(write_fd)
+        return None
+
+
+def _stop_feeding(write_fd: int) -> None:
+    """This process stops writing the signals it gets to ``write_fd``; a wakeup descriptor set since is left alone."""
+    try:
+        previous = signal.set_wakeup_fd(-1)
+        if previous != write_fd:
+            signal.set_wakeup_fd(previous)  # not ours any more: leave it alone
+    except (ValueError, OSError):
+        pass
 
 
 _TAPS: weakref.WeakSet[SignalTap] = weakref.WeakSet()
