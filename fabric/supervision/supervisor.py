@@ -75,6 +75,9 @@ POLL_S = 0.1
 #: After a rank reports an exception, how long to look for a peer that died abruptly (the likelier
 #: root cause) before blaming the rank that raised.
 SETTLE_S = 0.25
+#: Before the one report of a rank that raised: how long the other live ranks get to raise too (the same error on
+#: every rank, e.g. a checkpoint that fits no rank, is one report naming them all); it ends as soon as each has.
+REPORT_GATHER_S = 0.5
 #: The same when the exception reads like a peer's closed connection ("connection reset by peer"): a peer is
 #: ending, and on a loaded machine its end can be seen later than its closed sockets; the wait ends as soon as a
 #: peer is seen ended.
@@ -379,6 +382,8 @@ class Supervisor:
             if report is not None:
                 others = self.others_alive(None)
                 if result.failure is not None:
+                    if result.failure.raised:
+                        self._let_the_others_raise(REPORT_GATHER_S)
                     report(self.failure_report(result.failure, {handle.rank for handle in self.alive()}))
                 elif result.signal is not None:
                     why = self.forwarding.stop_reason(result.signal) if self.forwarding else f"received {signal_name(result.signal)}"
@@ -564,6 +569,12 @@ class Supervisor:
             return f"fabric: could not diagnose the failure ({type(err).__name__}: {err})"
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _let_the_others_raise(self, timeout: float) -> None:
+        """Wait (at most ``timeout``) until every rank still running has raised too, or ended."""
+        deadline = time.monotonic() + timeout
+        while any(state is RankState.RUNNING for _, state in self._states()) and time.monotonic() < deadline:
+            self._watch(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
 
     def _end_a_stalled_rank(self) -> JobResult | None:
         """A rank whose step made no progress beyond its ``step_timeout`` (``step_watch``): ended at once with SIGKILL
