@@ -147,7 +147,7 @@ def variants_for(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     )
 
     from fabric import Fabric
-    from fabric.checkpoint.formats.sharded import load_sharded
+    from fabric.checkpoint.formats import load_sharded
 
     fabric = Fabric(accelerator="cpu", devices=1)
     file, folder = root / "model.pt", root / "sharded"
@@ -184,16 +184,16 @@ def variants_for(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
 
 def staged_on_cpu(load: Callable[[], None]) -> None:
     """``load()`` with a load into CPU objects taking the staged path, the CPU as its device."""
-    from fabric.checkpoint import pipeline
     from fabric.checkpoint.formats import device_load
+    from fabric.checkpoint.formats import file as single_file
 
-    choose, staging_for = pipeline.staging_device, device_load.staging_for
-    pipeline.staging_device = lambda objects: torch.device("cpu")  # type: ignore[assignment]
+    choose, staging_for = single_file.staging_device, device_load.staging_for
+    single_file.staging_device = lambda objects: torch.device("cpu")  # type: ignore[assignment]
     device_load.staging_for = lambda device: device_load.HostStaging()  # type: ignore[assignment]
     try:
         load()
     finally:
-        pipeline.staging_device, device_load.staging_for = choose, staging_for  # type: ignore[assignment]
+        single_file.staging_device, device_load.staging_for = choose, staging_for  # type: ignore[assignment]
 
 
 def cpu_path(load: Callable[[], None]) -> None:

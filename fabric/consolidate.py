@@ -23,20 +23,20 @@ PROG = "fabric-torch consolidate"
 
 def consolidate(checkpoint_dir: str | Path, out: str | Path, weights_only: bool | None = None) -> dict:
     """Read the sharded checkpoint ``checkpoint_dir`` whole and write it to the file ``out``; return it."""
+    from fabric.checkpoint.formats import Load, choose
     from fabric.checkpoint.formats.file import save_file
-    from fabric.checkpoint.formats.sharded import load_sharded
     from fabric.checkpoint.storage import locate
 
     # a URL (s3://...) names a store, checked here (unknown scheme, missing library) before anything is read
     source, target = locate(checkpoint_dir), locate(out, writing="write OUT.pt")
     found = source.detect()
-    if found.kind not in ("sharded", "lightning"):
+    if found.kind != "folder":
         what = "does not exist" if found.kind == "missing" else "is not a sharded checkpoint folder"
         raise ValueError(f"{source.shown!r} {what}; {PROG} takes a folder written by a sharded save")
     if target.is_folder() or os.path.realpath(target.shown) == os.path.realpath(source.shown):
         raise ValueError(f"OUT.pt {target.shown!r} must be a file path, not the checkpoint folder or another folder")
     source.adopt(found)
-    checkpoint = load_sharded(source, weights_only=weights_only, found=found)
+    checkpoint = choose(found, source).load(Load(source, None, weights_only=weights_only))  # (a folder no format claims: refused)
     save_file(target, checkpoint)
     return checkpoint
 

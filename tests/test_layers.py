@@ -22,21 +22,31 @@ LAYERS: list[tuple[str, ...]] = [
     ("fabric.wrappers", "fabric.forward_methods"),
     ("fabric.strategies",),
     ("fabric.strategies.launchers",),
-    ("fabric.checkpoint",),
-    ("fabric.accelerators", "fabric.plugins", "fabric.loggers", "fabric.callbacks"),
-    # the bytes of a checkpoint, below the CheckpointIO plugin that writes them: the storage layer, the single-file
-    # format and the checks of every byte
+    # the plugin families a strategy is made of (the CheckpointIO plugin implements what the checkpoint wing declares),
+    # and the exception classes Lightning users import by name, gathered from their homes (the wing's among them)
+    ("fabric.accelerators", "fabric.plugins", "fabric.loggers", "fabric.callbacks", "fabric.utilities.exceptions"),
+    # the checkpoint wing, top to bottom: save and load; the formats and their table; the walks and the protocols a
+    # strategy and a plugin implement; storage; the checks of a torch archive's bytes; the errors
+    ("fabric.checkpoint", "fabric.checkpoint.pipeline"),
+    ("fabric.checkpoint.formats",),
     (
-        "fabric.checkpoint.storage",
-        "fabric.checkpoint.formats.file",
-        "fabric.checkpoint.formats.device_load",
-        "fabric.checkpoint.formats.shard_reader",
-        "fabric.checkpoint.formats.tensor_record",
-        "fabric.checkpoint.integrity",
+        "fabric.checkpoint.agreement",
+        "fabric.checkpoint.async_save",
+        "fabric.checkpoint.fit",
+        "fabric.checkpoint.host",
+        "fabric.checkpoint.layout",
+        "fabric.checkpoint.per_rank",
+        "fabric.checkpoint.plugin",
+        "fabric.checkpoint.restore",
+        "fabric.checkpoint.resume",
+        "fabric.checkpoint.state",
+        "fabric.checkpoint.stateful",
     ),
+    ("fabric.checkpoint.storage",),
+    ("fabric.checkpoint.integrity",),
+    ("fabric.checkpoint.errors",),
     ("fabric.plugins.environments",),  # a plugin family, so above the utilities; standard library and _core only
     ("fabric.utilities",),
-    ("fabric.checkpoint.errors",),  # standard library only: every layer that raises or catches a checkpoint error imports it
     ("fabric.supervision",),
     ("fabric._core",),
 ]
@@ -121,6 +131,29 @@ def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle() -> None:
     assert _circles(_imports(_modules())) == []
+
+
+def _packages(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """package -> the packages its modules import, where neither holds the other (a package uses its subpackages, and
+    they the modules beside them: the layers order those)."""
+    modules = _modules()
+
+    def package(module: str) -> str:
+        return module if modules[module].name == "__init__.py" else module.rpartition(".")[0]
+
+    def nested(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    between: dict[str, set[str]] = defaultdict(set)
+    for importer, targets in edges.items():
+        for imported in targets:
+            if not nested(package(importer), package(imported)):
+                between[package(importer)].add(package(imported))
+    return between
+
+
+def test_no_circle_between_packages() -> None:
+    assert _circles(_packages(_imports(_modules()))) == []
 
 
 def test_every_import_points_down_the_layers() -> None:

@@ -1,6 +1,7 @@
 """Every checkpoint error, in one home: one ``except CheckpointLoadError`` catches every refused load, whatever the
-format and wherever the checkpoint lies (the same damage raises the same class on the disk and on a store). The classes
-keep the bases that code written for Lightning Fabric catches. Standard library only, so every layer can import it.
+format and wherever the checkpoint lies, and the same damage raises the same class on the disk and on a store (the
+table: docs/checkpoints.md). The classes keep the bases that code written for Lightning Fabric catches. Standard
+library only, so every layer can import it.
 """
 
 from __future__ import annotations
@@ -10,14 +11,25 @@ import pickle
 __all__ = [
     "CheckpointLoadError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointPathError",
     "CommitRecordError",
+    "ConcurrentSaveError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
 ]
 
 
 class CheckpointLoadError(RuntimeError):
-    """A checkpoint cannot be loaded (empty, truncated, corrupt, unsafe, uncommitted or not fitting): the base of them all."""
+    """A checkpoint cannot be loaded (missing, damaged, unsafe, uncommitted or not fitting): the base of them all."""
+
+
+class CheckpointNotFoundError(CheckpointLoadError, FileNotFoundError):
+    """Nothing is saved at the checkpoint's path or URL (also the FileNotFoundError Lightning Fabric raises)."""
+
+
+class CheckpointPathError(CheckpointLoadError, ValueError):
+    """The checkpoint's path names something no checkpoint is read from: a FIFO, a device, a socket, a loop of links."""
 
 
 class UnsafeCheckpointError(CheckpointLoadError, pickle.UnpicklingError):
@@ -28,11 +40,11 @@ class UnsafeCheckpointError(CheckpointLoadError, pickle.UnpicklingError):
 
 
 class CorruptCheckpointError(CheckpointLoadError):
-    """Bytes of a checkpoint differ from what was written (a CRC mismatch, a truncated or unreadable record)."""
+    """The bytes of a checkpoint are not those its save wrote: flipped, cut short, grown, missing or another save's."""
 
 
 class CommitRecordError(CheckpointLoadError):
-    """A checkpoint on a store whose commit record is missing, unreadable, or does not match its objects."""
+    """A URL holds no commit record a load can go by: none, another program's object, or a record of another kind."""
 
 
 class CheckpointMismatchError(KeyError, ValueError, TypeError, CheckpointLoadError):
@@ -45,6 +57,10 @@ class CheckpointMismatchError(KeyError, ValueError, TypeError, CheckpointLoadErr
     def __str__(self) -> str:
         # KeyError's str() quotes its argument; this message is a sentence, shown as written
         return str(self.args[0]) if self.args else ""
+
+
+class ConcurrentSaveError(OSError):
+    """A save to a URL lost to another writer of it, which removed its objects before its commit (the other's stays)."""
 
 
 def is_pickling_error(err: BaseException) -> bool:

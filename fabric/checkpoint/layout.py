@@ -64,26 +64,95 @@ def parameters_and_buffers(objects: Iterable[Any]) -> Iterator[Tensor]:
             yield from (param for group in obj.param_groups for param in group["params"])
 
 
-def owner_of(optimizer: Optimizer, state: dict[str, Any], key: str) -> Module:
-    """The module in ``state`` holding every parameter ``optimizer`` updates (its names come from it)."""
+def module_of(optimizer: Optimizer, modules: Iterable[Module], refusal: str, error: type[ValueError] = ValueError) -> Module:
+    """The module that names ``optimizer``'s parameters, from among ``modules``: the first that holds every one of them,
+    else those that hold some, seen as one (:func:`as_one_module`: an optimizer over several modules of this rank, as
+    the stages of one model in a pipeline). The one rule of every path that hands an optimizer to torch's state-dict
+    API; ``error(refusal)`` where some parameter belongs to none of them (or two of them name different ones alike)."""
     wanted = {id(param) for group in optimizer.param_groups for param in group["params"]}
-    for obj in state.values():
-        if isinstance(obj, Module) and wanted <= {id(param) for param in obj.parameters()}:
-            return obj
-    raise ValueError(
-        f"state[{key!r}] is an optimizer whose parameters belong to no single module in the state"
-        f" (keys: {sorted(state)}): put the model it trains in the same state dict, e.g."
+    holding: list[Module] = []
+    covered: set[int] = set()
+    for module in dict.fromkeys(modules):  # (each once, in order)
+        own = {id(param) for param in module.parameters()}
+        if wanted <= own:
+            return module
+        if wanted & own:
+            holding.append(module)
+            covered |= own
+    if not holding or not wanted <= covered:
+        raise error(refusal)
+    try:
+        return as_one_module(holding)
+    except ValueError as err:
+        raise error(f"{refusal} ({err})") from None
+
+
+def module_in_state(optimizer: Optimizer, state: dict[str, Any], key: str, error: type[ValueError] = ValueError) -> Module:
+    """:func:`module_of` among the modules of ``state``, in which ``state[key]`` is ``optimizer``."""
+    refusal = (
+        f"state[{key!r}] is an optimizer whose parameters belong to no single module in the state, nor to several of"
+        f" them together (keys: {sorted(state)}): put the model it trains in the same state dict, e.g."
         " {'model': model, 'optimizer': optimizer}"
     )
+    return module_of(optimizer, (obj for obj in state.values() if isinstance(obj, Module)), refusal, error)
+
+
+class _Joined(Module):
+    """A module of :func:`as_one_module` that stands for the same place in several of the modules joined."""
+
+
+def as_one_module(modules: Iterable[Module]) -> Module:
+    """``modules`` as one module whose parameters keep the names each gives them (stages cut from one model keep the
+    model's names): plain modules where two of them have a submodule of the same name, theirs everywhere else, no
+    tensor copied. For naming an optimizer's parameters; ValueError where two of them name different parameters alike."""
+    root = _Joined()
+    for module in modules:
+        _join(root, _unwrapped(module), "")
+    return root
+
+
+def _unwrapped(module: Module) -> Module:
+    """``module`` without DDP's or ``torch.compile``'s wrapper, whose prefixes torch's state-dict API leaves out."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        else:
+            inner = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+            if not isinstance(inner, Module):
+                return module
+            module = inner
+
+
+def _join(into: Module, module: Module, prefix: str) -> None:
+    for name, param in module.named_parameters(recurse=False):
+        held = into._parameters.get(name)
+        if held is None:
+            into.register_parameter(name, param)
+        elif held is not param:
+            raise ValueError(f"two of its modules name different parameters {prefix + name!r}")
+    for name, child in module.named_children():
+        existing = into._modules.get(name)
+        if existing is None:
+            into.add_module(name, child)
+        elif existing is not child:
+            if not isinstance(existing, _Joined):  # two modules at one place: a plain module holds both
+                joined = _Joined()
+                _join(joined, existing, f"{prefix}{name}.")
+                into._modules[name] = existing = joined
+            _join(existing, child, f"{prefix}{name}.")
 
 
 class DistributedStateDicts:
     """What modules and optimizers of ``state`` become through torch's distributed state-dict API (a ``StateDictSource``
-    for :func:`fabric.checkpoint.state.collect_states`); with ``full_state_dict`` options, whole tensors."""
+    for :func:`fabric.checkpoint.state.collect_states`); with ``full_state_dict`` options, whole tensors. ``error``: the
+    class an optimizer without a module in ``state`` is refused with (a load's: ``CheckpointMismatchError``)."""
 
-    def __init__(self, state: dict[str, Any], options: Any) -> None:
+    def __init__(self, state: dict[str, Any], options: Any, error: type[ValueError] = ValueError) -> None:
         self._state = state
         self._options = options
+        self._error = error
 
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -94,7 +163,7 @@ class DistributedStateDicts:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         key = next(key for key, value in self._state.items() if value is optimizer)
-        return get_optimizer_state_dict(owner_of(optimizer, self._state, key), optimizer, options=self._options)
+        return get_optimizer_state_dict(module_in_state(optimizer, self._state, key, self._error), optimizer, options=self._options)
 
 
 def split_tensors(entries: dict[str, Any], kinds: dict[str, str]) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Path_]]:

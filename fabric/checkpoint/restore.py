@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeVar
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from fabric.checkpoint.errors import CheckpointMismatchError
 from fabric.checkpoint.fit import check_entries_present, check_plain_value, check_saved_ranks, checked
 from fabric.checkpoint.layout import kind_saved_in
 from fabric.checkpoint.stateful import SAVED_RANKS_KEY, is_stateful
@@ -23,6 +24,7 @@ from fabric.checkpoint.stateful import SAVED_RANKS_KEY, is_stateful
 __all__ = ["Agreement", "EntrySource", "WholeFile", "restore"]
 
 T = TypeVar("T")
+
 
 class Agreement(Protocol):
     """Runs ``step`` on every rank and raises on every rank if it failed on any (``agreement.on_every_rank``)."""
@@ -70,7 +72,7 @@ class WholeFile:
         if self._checkpoint is None:
             checkpoint = self._read_file()
             if not isinstance(checkpoint, dict):
-                raise TypeError(f"Checkpoint {str(self.path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
+                raise CheckpointMismatchError(f"Checkpoint {str(self.path)!r} holds a {type(checkpoint).__name__}, not a dict of states")
             self._checkpoint = checkpoint
         return self._checkpoint
 

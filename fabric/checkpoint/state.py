@@ -1,23 +1,18 @@
-"""Turning the ``state`` dict of ``Fabric.save``/``Fabric.load`` into a checkpoint and back: the save walk, once,
-asking the strategy what a module or an optimizer becomes; loading goes through ``restore``'s walk, for which
-:class:`StateDictFile` reads a file of plain state dicts.
+"""Turning the ``state`` dict of ``Fabric.save`` into a checkpoint: the save walk, once, asking the strategy (or
+torch's distributed state-dict API) what a module or an optimizer becomes; loading is ``restore``'s walk.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint.fit import check_entry
-from fabric.checkpoint.restore import WholeFile
 from fabric.checkpoint.stateful import is_stateful
 
 __all__ = [
-    "StateDictFile",
     "StateDictHooks",
     "StateDictSource",
     "check_filter",
@@ -85,23 +80,3 @@ def check_filter(filter: Any, state: dict[str, Any]) -> None:
             raise ValueError(f"save(filter=...) has the key {key!r}, which is not in state (keys: {sorted(state)})")
         if not callable(predicate):
             raise TypeError(f"save(filter={{{key!r}: ...}}) must map to a callable (name, value) -> bool, got {predicate!r}")
-
-
-class StateDictFile(WholeFile):
-    """A checkpoint of plain state dicts, read whole by a CheckpointIO, as an ``EntrySource``: the strategy's
-    hooks load each module and optimizer entry (DDP into its wrapped module, Horovod into its optimizer)."""
-
-    def __init__(self, strategy: StateDictHooks, read: Callable[[], Any], path: str | os.PathLike) -> None:
-        super().__init__(path, read)
-        self._strategy = strategy
-
-    def check(self, present: dict[str, Any], strict: bool) -> None:
-        checkpoint = self.keys()
-        for key, obj in present.items():
-            check_entry(key, obj, checkpoint[key], strict)
-
-    def load_module(self, key: str, module: Module, value: Any, strict: bool) -> None:
-        self._strategy.load_module_state_dict(module, value, strict=strict)
-
-    def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None:
-        self._strategy.load_optimizer_state_dict(optimizer, value)

@@ -162,7 +162,7 @@ class ShardedStrategy(ProcessGroupStrategy):
         """Where the shards of a meta-device module are allocated."""
         return self.root_device
 
-    # ---- checkpoints (their folder and file formats live in fabric.plugins.io) -----------------------
+    # ---- checkpoints (their folder and file formats live in fabric.checkpoint.formats) -----------------
 
     @property
     @override
@@ -183,23 +183,18 @@ class ShardedStrategy(ProcessGroupStrategy):
         """A plain ``optimizer.state_dict()`` (numbered, full tensors) into the optimizer of sharded parameters."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-        from fabric.checkpoint.layout import keep_saved_group_options, optimizer_named
+        from fabric.checkpoint.errors import CheckpointMismatchError
+        from fabric.checkpoint.layout import keep_saved_group_options, module_of, optimizer_named
 
         check_optimizer_state_fits(optimizer, state_dict)
-        module = self._module_of(optimizer)
-        named = optimizer_named(state_dict, get_optimizer_state_dict(module, optimizer), "optimizer")
-        set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
-        keep_saved_group_options(optimizer, named)
-
-    def _module_of(self, optimizer: Optimizer) -> Module:
-        params = {p for group in optimizer.param_groups for p in group["params"]}
-        for module in self._set_up_modules:  # to find an optimizer's module
-            if any(p in params for p in module.parameters()):
-                return module
-        raise ValueError(
+        refusal = (
             f"The parameters of {type(optimizer).__name__} belong to no module set up by {type(self).__name__};"
             " create the optimizer from the parameters of the module that setup_module() returned"
         )
+        module = module_of(optimizer, self._set_up_modules, refusal, CheckpointMismatchError)  # (the checkpoint wing's rule)
+        named = optimizer_named(state_dict, get_optimizer_state_dict(module, optimizer), "optimizer")
+        set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))
+        keep_saved_group_options(optimizer, named)
 
 
 class _ShardedBackwardSyncControl(BackwardSyncControl):

@@ -25,9 +25,10 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.checkpoint import integrity
+from fabric.checkpoint.formats import load_sharded
 from fabric.checkpoint.formats.file import CheckpointLoadError
 from fabric.checkpoint.formats.shard_reader import read_index
-from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.formats.sharded import save_sharded
 from fabric.utilities.exceptions import CheckpointMismatchError
 from support.dcp_jobs import run_job
 from support.environment import job_environment
@@ -335,7 +336,8 @@ def test_a_sharded_save_into_a_file_size_limit_keeps_the_old_checkpoint_and_leav
     script.write_text(textwrap.dedent(f"""
         import resource, signal, torch
         from torch import nn
-        from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+        from fabric.checkpoint.formats import load_sharded
+        from fabric.checkpoint.formats.sharded import save_sharded
         folder = {str(tmp_path / "ckpt")!r}
         small = nn.Linear(4, 4)
         save_sharded(folder, {{"model": small}})

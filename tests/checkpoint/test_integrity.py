@@ -19,8 +19,9 @@ from torch import nn
 from fabric import Fabric
 from fabric.checkpoint import integrity
 from fabric.checkpoint.errors import CorruptCheckpointError
+from fabric.checkpoint.formats import load_sharded
 from fabric.checkpoint.formats.shard_reader import SafeFileSystemReader, read_index
-from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.formats.sharded import save_sharded
 from fabric.checkpoint.integrity import CheckedArchive, load_checked
 from fabric.plugins.io import CheckpointLoadError, safe_load
 from support.archives import archive_bytes, data_range, flipped

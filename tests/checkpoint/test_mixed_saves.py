@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fabric.checkpoint import integrity
+from fabric.checkpoint.formats import load_sharded
 from fabric.checkpoint.formats import shard_reader as safe_reader
 from fabric.checkpoint.formats.file import CheckpointLoadError
 from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE
-from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.formats.sharded import save_sharded
 from fabric.checkpoint.storage.disk import SPARE_PREFIX
 from fabric.consolidate import main as consolidate_main
 from fabric.plugins.io import atomic_save

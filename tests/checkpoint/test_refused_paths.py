@@ -19,8 +19,9 @@ from torch import nn
 
 from fabric import Fabric
 from fabric.accelerators.cpu import MAX_CPU_PROCESSES, parse_cpu_cores
+from fabric.checkpoint.formats import load_sharded
 from fabric.checkpoint.formats.file import CheckpointLoadError
-from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.formats.sharded import save_sharded
 
 if not sys.platform.startswith("linux"):
     pytest.skip("FIFOs, symlink loops and tmpfs mounts as Linux makes them", allow_module_level=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric.checkpoint.formats.sharded import load_sharded
+from fabric.checkpoint.formats import load_sharded
 from support import PYTHON, REPO
 from support.processes import run
 

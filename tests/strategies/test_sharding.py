@@ -299,7 +299,7 @@ def test_sharded_and_full_checkpoints_resume_exactly_at_2(job2):
 @pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_folder_of_shards_loads_into_a_plain_model_in_this_process(job2):
-    from fabric.checkpoint.formats.sharded import load_sharded
+    from fabric.checkpoint.formats import load_sharded
     from support.scripts.sharding.model import make_net, max_difference, reference_run
 
     model = make_net(seed=5)

@@ -5,6 +5,7 @@ numbered form), loaded back into any layout. Saving gathers each tensor in turn 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,23 +13,61 @@ from typing import Any
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint import fit, layout
 from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import wait_for_pending_save
-from fabric.checkpoint.formats.file import safe_load, save_file
-from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
+from fabric.checkpoint.errors import CheckpointMismatchError
+from fabric.checkpoint.fit import check_module_fits, check_optimizer_fits, check_optimizer_state_shapes, check_stateful_entry, tensor_shapes
+from fabric.checkpoint.formats.file import SINGLE_FILE, safe_load, save_file
+from fabric.checkpoint.formats.format import Load, Save
+from fabric.checkpoint.layout import (
+    MODULE,
+    OPTIMIZER,
+    OTHER,
+    DistributedStateDicts,
+    keep_saved_group_options,
+    kind_of,
+    module_in_state,
+    optimizer_named,
+    optimizer_numbered,
+)
+from fabric.checkpoint.plugin import CheckpointPlugin, takes_store
 from fabric.checkpoint.restore import WholeFile, restore
 from fabric.checkpoint.state import collect_states
-from fabric.checkpoint.storage import Store, locate
-from fabric.plugins.io import CheckpointIO
+from fabric.checkpoint.storage import Found, Store, locate
+
+
+class Full:
+    """The "full" format as the formats' table holds it: one file (``SINGLE_FILE``'s bytes) of full tensors, gathered
+    from sharded objects on saving and handed back to objects of any layout on loading."""
+
+    name = "full"
+
+    def claims(self, found: Found) -> bool:
+        return SINGLE_FILE.claims(found)
+
+    def save(self, save: Save) -> None:
+        save.refuse_storage_options()
+        if save.async_save:
+            raise ValueError("save(..., async_save=True) needs state_dict_type='sharded'; got state_dict_type='full'")
+        save_full(save.path, save.state, filter=save.filter, checkpoint_io=save.host.checkpoint_io)
+
+    def load(self, load: Load) -> Any:
+        """A dict of states: full tensors into objects of any layout, through torch's distributed state-dict API; the
+        whole file, or one object (``load_raw``), as the strategy reads a single file."""
+        if load.host is not None and not isinstance(load.state, dict):
+            return SINGLE_FILE.load(load)
+        return load_full(load.store, load.state, strict=load.strict, weights_only=load.weights_only)
+
+
+FULL = Full()
 
 
 def save_full(
-    path: str | Path,
+    path: str | os.PathLike,
     state: dict[str, Any],
     *,
     filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    checkpoint_io: CheckpointIO | None = None,
+    checkpoint_io: CheckpointPlugin | None = None,
 ) -> None:
     """Gather ``state`` and write it from rank 0 as one atomic, ``torch.load``-able file; a collective. The file
     goes through ``checkpoint_io`` (a user's plugin), but a sharded folder at ``path`` is replaced by the file
@@ -37,18 +76,15 @@ def save_full(
 
     wait_for_pending_save()
     store = locate(path, writing="save a checkpoint")
-    entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True)), state, filter)
+    entries = collect_states(DistributedStateDicts(state, StateDictOptions(full_state_dict=True, cpu_offload=True)), state, filter)
 
     def write() -> None:  # rank 0 holds the full tensors (cpu_offload): it alone writes
-        checkpoint = {
-            key: layout.optimizer_numbered(value) if layout.kind_of(state[key]) == OPTIMIZER else value
-            for key, value in entries.items()
-        }
+        checkpoint = {key: optimizer_numbered(value) if kind_of(state[key]) == OPTIMIZER else value for key, value in entries.items()}
         try:
             if checkpoint_io is None or store.is_folder():
                 save_file(store, checkpoint, replace_folder=True)
             else:
-                checkpoint_io.save_checkpoint(checkpoint, path)
+                checkpoint_io.save_checkpoint(checkpoint, store if takes_store(checkpoint_io) else path)
         except Exception as err:
             raise RuntimeError(f"Saving the full checkpoint {store.shown!r} failed; the previous one is kept. {type(err).__name__}: {err}") from err
 
@@ -57,13 +93,18 @@ def save_full(
 
 def load_full(
     path: str | Path | Store,
-    state: dict[str, Any] | None,
+    state: Module | Optimizer | dict[str, Any] | None,
     strict: bool = True,
     weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Restore ``state`` from a full checkpoint file into objects of any layout; return the rest of the file."""
     if state is None:
         return safe_load(path, map_location="cpu", weights_only=weights_only)
+    if not isinstance(state, dict):
+        raise CheckpointMismatchError(
+            f"Loading the checkpoint {locate(path).shown!r} into sharded objects needs a dict of states such as"
+            f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
+        )
     return restore(FullFile(path, state, weights_only), state, strict=strict, agree=agree_in_group)
 
 
@@ -88,19 +129,20 @@ class FullFile(WholeFile):
 
         checkpoint = self.keys()
         for key, obj in present.items():
-            saved, kind = checkpoint[key], layout.kind_of(obj)
+            saved, kind = checkpoint[key], kind_of(obj)
             if kind == OTHER:
-                fit.check_stateful_entry(key, obj, saved)
+                check_stateful_entry(key, obj, saved)
                 continue
-            current = collect_states(layout.DistributedStateDicts(self._state, StateDictOptions()), self._state, keys=[key])[key]
+            hooks = DistributedStateDicts(self._state, StateDictOptions(), error=CheckpointMismatchError)
+            current = collect_states(hooks, self._state, keys=[key])[key]
             if kind == MODULE:
                 if not isinstance(saved, dict):
-                    raise fit.CheckpointMismatchError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
-                fit.check_module_fits(f"the model in state[{key!r}]", current, fit.tensor_shapes(saved), strict)
+                    raise CheckpointMismatchError(f"state[{key!r}] is a module but the checkpoint holds a {type(saved).__name__}")
+                check_module_fits(f"the model in state[{key!r}]", current, tensor_shapes(saved), strict)
             else:
-                self._named[key] = layout.optimizer_named(saved, current, key)
-                fit.check_optimizer_fits(key, self._named[key], current)
-                fit.check_optimizer_state_shapes(key, self._named[key]["state"], current["state"])
+                self._named[key] = optimizer_named(saved, current, key)
+                check_optimizer_fits(key, self._named[key], current)
+                check_optimizer_state_shapes(key, self._named[key]["state"], current["state"])
 
     def read(self, present: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         values, rest = super().read(present)
@@ -114,6 +156,6 @@ class FullFile(WholeFile):
     def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        owner = layout.owner_of(optimizer, self._state, key)
-        set_optimizer_state_dict(owner, optimizer, value, options=StateDictOptions(full_state_dict=True))
-        layout.keep_saved_group_options(optimizer, value)
+        module = module_in_state(optimizer, self._state, key, CheckpointMismatchError)
+        set_optimizer_state_dict(module, optimizer, value, options=StateDictOptions(full_state_dict=True))
+        keep_saved_group_options(optimizer, value)

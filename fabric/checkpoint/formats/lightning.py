@@ -16,9 +16,42 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from fabric.checkpoint.errors import CheckpointLoadError, UnsafeCheckpointError
+from fabric.checkpoint.agreement import agree_in_group
+from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError, UnsafeCheckpointError
 from fabric.checkpoint.formats.file import _weights_only_reason, safe_load
-from fabric.checkpoint.formats.shard_reader import LIGHTNING_META_FILE
+from fabric.checkpoint.formats.format import Load
+from fabric.checkpoint.formats.full import FullFile
+from fabric.checkpoint.formats.shard_reader import INDEX_FILE, LIGHTNING_META_FILE, OBJECTS_FILE
+from fabric.checkpoint.formats.sharded import check_dict_of_states
+from fabric.checkpoint.restore import restore
+from fabric.checkpoint.storage import Found
+
+
+class Lightning:
+    """Lightning Fabric's folders as the formats' table holds them: DCP's index and ``meta.pt``, no objects file of ours."""
+
+    name = "lightning"
+
+    def claims(self, found: Found) -> bool:
+        return found.kind == "folder" and {INDEX_FILE, LIGHTNING_META_FILE} <= found.files and OBJECTS_FILE not in found.files
+
+    def load(self, load: Load) -> Any:
+        """Read whole, then loaded as a full file is, into objects of any layout; without a state, the whole checkpoint."""
+        state, weights_only = load.state, load.weights_only
+        check_dict_of_states(load.store, state)
+        reading = load.store.sharded_read()
+        try:
+            folder = reading.open(())  # (a local folder: Lightning Fabric never wrote to a store)
+            if state is None:
+                return read_lightning_folder(folder, weights_only)
+            assert isinstance(state, dict)  # (check_dict_of_states)
+            source = FullFile(load.store, state, weights_only, read_file=lambda: read_lightning_folder(folder, weights_only))
+            return restore(source, state, strict=load.strict, agree=agree_in_group)
+        finally:
+            reading.close()
+
+
+LIGHTNING = Lightning()
 
 
 def read_lightning_folder(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -26,14 +59,14 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from fabric.checkpoint.formats.shard_reader import SafeFileSystemReader, check_data_files, first_failure, own_error, quiet_single_process, read_index
+    from fabric.checkpoint.formats.shard_reader import SafeFileSystemReader, check_data_files, own_error, quiet_single_process, read_error, read_index
 
     folder = Path(path)
     index = read_index(folder)
     check_data_files(folder, index)
     meta = safe_load(folder / LIGHTNING_META_FILE, map_location="cpu", weights_only=weights_only)
     if not isinstance(meta, dict):
-        raise CheckpointLoadError(f"{str(folder / LIGHTNING_META_FILE)!r} holds a {type(meta).__name__}, not a dict of entries")
+        raise CorruptCheckpointError(f"{str(folder / LIGHTNING_META_FILE)!r} holds a {type(meta).__name__}, not a dict of entries")
     flat: dict[str, Any] = {  # None: filled by the planner's load_bytes
         key: None if isinstance(saved, BytesStorageMetadata) else torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
         for key, saved in index.state_dict_metadata.items()
@@ -46,7 +79,7 @@ def read_lightning_folder(path: str | Path, weights_only: bool | None = None) ->
         refused = own_error(err)  # (one process: its error is the only one)
         if isinstance(refused, UnsafeCheckpointError):
             raise UnsafeCheckpointError(f"Checkpoint {str(folder)!r}: {refused}") from None
-        raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
+        raise read_error(folder, err) from err
     # tensors were read in place; dcp.load hands the planner a copy of the dict, where the other items went
     flat.update({key: planner.state_dict[key] for key, value in flat.items() if value is None})
     checkpoint = _unflatten(flat, index.planner_data or {})

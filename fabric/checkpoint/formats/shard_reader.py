@@ -12,7 +12,7 @@ import os
 import pickle
 import stat
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from torch.futures import Future
 from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError
 from fabric.checkpoint.formats.tensor_record import read_into
 from fabric.checkpoint.integrity import SMALL_ARCHIVE, CheckedArchive, crc32, load_checked, records_digest, warn_once
+from fabric.checkpoint.storage import Fetch
 
 # the files of a sharded checkpoint folder, by name
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's index: what makes a folder a sharded checkpoint
@@ -56,9 +57,6 @@ class _IndexUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused global {module}.{name} (not part of a checkpoint index)")
-
-
-Fetch = Callable[[dict[str, list[tuple[int, int, str]]]], None]
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -157,9 +155,9 @@ def check_index_crc(folder: Path, expected: int | None) -> None:
     try:
         actual = crc32((folder / INDEX_FILE).read_bytes())
     except FileNotFoundError:
-        raise CheckpointLoadError(f"{str(folder)!r} is not a complete sharded checkpoint: it has no {INDEX_FILE} file") from None
+        raise CorruptCheckpointError(f"{str(folder)!r} is not a complete sharded checkpoint: it has no {INDEX_FILE} file") from None
     if actual != expected:
-        raise CheckpointLoadError(
+        raise CorruptCheckpointError(
             f"Checkpoint {str(folder)!r} is damaged or mixed: its index {INDEX_FILE!r} does not match the checksum"
             f" {OBJECTS_FILE!r} recorded for it (damaged bytes, or one of the two files is from another save)"
         )
@@ -180,19 +178,19 @@ def check_data_files(folder: Path, metadata: Metadata, written: dict[str, int] |
         try:
             found = (folder / name).stat()
         except FileNotFoundError:
-            raise CheckpointLoadError(
+            raise CorruptCheckpointError(
                 f"Checkpoint {str(folder)!r} is incomplete: its data file {name!r} (holding {entry!r} among others) is missing"
             ) from None
         except OSError as err:  # a symbolic link that loops, a name too long, ...
-            raise CheckpointLoadError(
+            raise CorruptCheckpointError(
                 f"Checkpoint {str(folder)!r} is damaged: its data file {name!r} cannot be read: {err.strerror}"
             ) from None
         if not stat.S_ISREG(found.st_mode):
-            raise CheckpointLoadError(
+            raise CorruptCheckpointError(
                 f"Checkpoint {str(folder)!r} is damaged: its data file {name!r} is not a regular file"
             )
         if found.st_size < end:
-            raise CheckpointLoadError(
+            raise CorruptCheckpointError(
                 f"Checkpoint {str(folder)!r} is damaged: {name!r} has {found.st_size} bytes, but the index places data up to"
                 f" byte {end} there (entry {entry!r}): the file was truncated"
                 + (
@@ -258,7 +256,7 @@ def check_data_files_belong(
     for name in sorted(named):  # sizes before digests: cheap, and the clearest reason
         size = (Path(folder) / name).stat().st_size
         if size != written[name]:
-            raise CheckpointLoadError(
+            raise CorruptCheckpointError(
                 f"Checkpoint {str(folder)!r} mixes files of different saves: its data file {name!r} does not belong to"
                 f" {this_save}: it has {size} bytes, that save wrote {written[name]}"
             )
@@ -267,11 +265,11 @@ def check_data_files_belong(
         named = set(sorted(named)[rank::world_size])
     try:
         actual = data_files_of(folder, metadata, only=named)
-    except CorruptCheckpointError as err:  # an archive's directory that cannot be read: named as damage
-        raise CheckpointLoadError(f"Checkpoint {str(folder)!r}: {err}") from None
+    except CorruptCheckpointError as err:  # an archive's directory that cannot be read: named with the checkpoint
+        raise CorruptCheckpointError(f"Checkpoint {str(folder)!r}: {err}") from None
     foreign = sorted(name for name in named if actual[name]["records_crc32"] != recorded[name].get("records_crc32"))
     if foreign:
-        raise CheckpointLoadError(
+        raise CorruptCheckpointError(
             f"Checkpoint {str(folder)!r} mixes files of different saves: its data file {foreign[0]!r}"
             + (f" (and {', '.join(map(repr, foreign[1:]))})" if len(foreign) > 1 else "")
             + f" does not belong to {this_save}: the checksums of its records differ from those that save recorded"
@@ -283,14 +281,14 @@ def check_files_listed(shown: str, recorded: Any, metadata: Metadata, this_save:
     """The data files the index names (returned), each listed in ``recorded`` (the objects file's list, written by
     ``this_save``); with ``folder``, the files listed beyond those are there too. Messages name ``shown``."""
     if not isinstance(recorded, dict) or not all(isinstance(entry, dict) for entry in recorded.values()):
-        raise CheckpointLoadError(f"Checkpoint {shown!r} is damaged: {OBJECTS_FILE!r} holds no valid list of data files")
+        raise CorruptCheckpointError(f"Checkpoint {shown!r} is damaged: {OBJECTS_FILE!r} holds no valid list of data files")
     named = {info.relative_path for info in (metadata.storage_data or {}).values()}
     for name in sorted(set(recorded) - named) if folder is not None else ():
         if not (folder / name).is_file():
-            raise CheckpointLoadError(f"Checkpoint {shown!r} is incomplete: its data file {name!r}, written by {this_save}, is missing")
+            raise CorruptCheckpointError(f"Checkpoint {shown!r} is incomplete: its data file {name!r}, written by {this_save}, is missing")
     unlisted = sorted(named - set(recorded))
     if unlisted:
-        raise CheckpointLoadError(
+        raise CorruptCheckpointError(
             f"Checkpoint {shown!r} mixes files of different saves: {unlisted[0]!r} is named by its index but was"
             f" not written by {this_save}"
         )
@@ -304,13 +302,13 @@ def read_index(folder: Any, load_id: str | None = None) -> Metadata:
         with open(path, "rb") as file:
             metadata = _IndexUnpickler(file).load()
     except FileNotFoundError:
-        raise CheckpointLoadError(f"{str(folder)!r} is not a sharded checkpoint: it has no {INDEX_FILE} file") from None
+        raise CorruptCheckpointError(f"{str(folder)!r} is not a sharded checkpoint: it has no {INDEX_FILE} file") from None
     except pickle.UnpicklingError as err:
-        raise CheckpointLoadError(f"Checkpoint index {str(path)!r} is unsafe or corrupt: {err}") from None
+        raise CorruptCheckpointError(f"Checkpoint index {str(path)!r} is unsafe or corrupt: {err}") from None
     except Exception as err:  # truncated or damaged bytes derail the unpickler anywhere
-        raise CheckpointLoadError(f"Checkpoint index {str(path)!r} is corrupt: {type(err).__name__}: {err}") from None
+        raise CorruptCheckpointError(f"Checkpoint index {str(path)!r} is corrupt: {type(err).__name__}: {err}") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointLoadError(f"Checkpoint index {str(path)!r} holds a {type(metadata).__name__}, not an index")
+        raise CorruptCheckpointError(f"Checkpoint index {str(path)!r} holds a {type(metadata).__name__}, not an index")
     storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
     storage_meta.load_id = load_id
     metadata.storage_meta = storage_meta
@@ -325,6 +323,14 @@ def first_failure(err: BaseException) -> str:
         text = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
         return f"on rank {min(failures)}: {type(inner).__name__}: {text}"
     return f"{type(err).__name__}: {err}"
+
+
+def read_error(folder: str | Path, err: BaseException) -> CheckpointLoadError:
+    """A failed read of a folder's tensors, of the class of the first failed rank's own error where it is a checkpoint
+    error (a CRC mismatch stays a ``CorruptCheckpointError``), naming the folder and that error."""
+    refused = own_error(err)
+    cls = type(refused) if isinstance(refused, CheckpointLoadError) else CheckpointLoadError
+    return cls(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}")
 
 
 def own_error(err: BaseException) -> BaseException:

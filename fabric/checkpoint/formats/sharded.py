@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from fabric.checkpoint import fit, layout
 from fabric.checkpoint.agreement import agree_in_group, broadcast_in_group, gather_in_group, on_rank_zero, rank_in_group
 from fabric.checkpoint.async_save import (
     SaveHandle,
@@ -29,28 +28,92 @@ from fabric.checkpoint.async_save import (
     start_background_save,
     wait_for_pending_save,
 )
-from fabric.checkpoint.errors import CheckpointLoadError
+from fabric.checkpoint.errors import CheckpointLoadError, CheckpointMismatchError, CorruptCheckpointError
+from fabric.checkpoint.fit import check_kind, check_module_fits, check_optimizer_fits, check_stateful_entry
 from fabric.checkpoint.formats.file import safe_load
-from fabric.checkpoint.formats.full import FullFile, load_full
-from fabric.checkpoint.formats.lightning import read_lightning_folder
+from fabric.checkpoint.formats.format import Load, Save
 from fabric.checkpoint.formats.shard_reader import (
     INDEX_FILE,
     OBJECTS_FILE,
-    Fetch,
     SafeFileSystemReader,
+    check_data_files_belong,
+    check_files_listed,
     check_index_crc,
+    data_files_written,
     first_failure,
     own_error,
     quiet_single_process,
+    read_error,
     read_index,
 )
-from fabric.checkpoint.layout import MODULE, OPTIMIZER, OTHER
+from fabric.checkpoint.integrity import crc32
+from fabric.checkpoint.layout import (
+    MODULE,
+    OPTIMIZER,
+    OTHER,
+    DistributedStateDicts,
+    fill,
+    keep_saved_group_options,
+    kind_of,
+    module_in_state,
+    optimizer_numbered,
+    parameters_and_buffers,
+    plain_copy,
+    split_tensors,
+)
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
-from fabric.checkpoint.storage import Found, ShardedRead, Store, disk, locate
+from fabric.checkpoint.storage import Fetch, Found, ShardedRead, Store, locate
+from fabric.checkpoint.storage.disk import out_of_space
 
 FORMAT = "fabric-sharded-checkpoint"
 VERSION = 1
+
+
+class Sharded:
+    """The "sharded" format as the formats' table holds it: a folder holding DCP's index and our objects file."""
+
+    name = "sharded"
+
+    def claims(self, found: Found) -> bool:
+        return found.kind == "folder" and {INDEX_FILE, OBJECTS_FILE} <= found.files
+
+    def save(self, save: Save) -> None:
+        save.refuse_storage_options()
+        save_sharded(save.store, save.state, filter=save.filter, async_save=save.async_save)
+
+    def load(self, load: Load) -> Any:
+        """Into objects of any layout, whatever the strategy (the host is not asked); without a state, the whole
+        checkpoint with every tensor read in full."""
+        state, weights_only = load.state, load.weights_only
+        check_dict_of_states(load.store, state)
+        reading = load.store.sharded_read()
+        try:
+            with reading.naming():
+                if state is None:
+                    whole = ShardedFolder(reading, {}, weights_only)
+                    return read_full(whole.folder, whole.objects, whole.index, keys=list(whole.keys()), fetch=whole.fetch)
+                assert isinstance(state, dict)  # (check_dict_of_states)
+                shards = ShardedFolder(reading, state, weights_only, agreed=True)
+                try:
+                    return restore(shards, state, strict=load.strict, agree=agree_in_group)
+                except BaseException:
+                    shards.undo_state_init()
+                    raise
+        finally:
+            reading.close()
+
+
+SHARDED = Sharded()
+
+
+def check_dict_of_states(store: Store, state: Any) -> None:
+    """A folder's checkpoint loads into a dict of states (or, read whole, without any): never one object (``load_raw``)."""
+    if state is not None and not isinstance(state, dict):
+        raise CheckpointMismatchError(
+            f"{store.shown!r} is a sharded checkpoint folder: load it into a dict of states such as {{'model': model,"
+            f" 'optimizer': optimizer}} with fabric.load(path, state), rather than load_raw() into a {type(state).__name__}"
+        )
 
 
 def save_sharded(
@@ -68,16 +131,16 @@ def save_sharded(
 
     wait_for_pending_save()
     store = locate(path, writing="save a checkpoint")
-    entries = collect_states(layout.DistributedStateDicts(state, StateDictOptions()), state, filter)
-    kinds = {key: layout.kind_of(obj) for key, obj in state.items()}
-    skeleton, tensors, paths = layout.split_tensors(entries, kinds)
+    entries = collect_states(DistributedStateDicts(state, StateDictOptions()), state, filter)
+    kinds = {key: kind_of(obj) for key, obj in state.items()}
+    skeleton, tensors, paths = split_tensors(entries, kinds)
     objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
     # rank 0 cleans up after crashed saves and names this save; every rank gets the name
     ticket = on_rank_zero(
         partial(store.prepare_sharded_save, _files_written()), rank=rank_in_group(), broadcast=broadcast_in_group
     )
     if async_save:
-        staged = {flat: layout.plain_copy(tensor) for flat, tensor in tensors.items()}
+        staged = {flat: plain_copy(tensor) for flat, tensor in tensors.items()}
         group = background_group()
         return start_background_save(lambda: _write(store, ticket, staged, objects, group=group), repr(store.shown))
     _write(store, ticket, tensors, objects, group=None)
@@ -92,7 +155,8 @@ def _files_written() -> frozenset[str]:
 
 
 def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[str, Any], group: Any) -> None:
-    """Every rank writes its shards; rank 0 gathers each rank's part (or error), writes the objects file, commits; all learn the outcome."""
+    """Every rank writes its shards and digests its data files; rank 0 gathers each rank's part (or error), writes the
+    objects file (what binds the save's files to it) and commits; all learn the outcome."""
     save = store.sharded_save(ticket)
     failed = f"Saving the sharded checkpoint {store.shown!r} failed; the previous one is kept."
     rank = rank_in_group(group)
@@ -106,11 +170,11 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             part: dict[str, Any] = {"error": f"writing the shards failed {first_failure(err)}",
                                     "raises": "TimeoutError" if _timed_out(err) else "RuntimeError"}
             # torch's message for a full disk ("unexpected pos 704 vs 598") never names it: look at the free space
-            full = disk.out_of_space(save.folder, nbytes)
+            full = out_of_space(save.folder, nbytes)
             if full is not None:
                 part["error"] = f"{full}{save.room_hint}; {part['error']}"
         else:
-            part = save.part(writer, rank)
+            part = _part(save, writer, rank)
         parts = gather_in_group(part, group)
 
         def commit() -> None:
@@ -119,8 +183,8 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             if first is not None:
                 raise _PART_ERRORS[first["raises"]](f"{failed} {first['error']}")
             try:
-                binding = save.binding(parts)
-                save.commit(lambda file: torch.save({**objects, **binding}, file))
+                binding = _binding(save.folder, ticket, parts)
+                save.commit(parts, OBJECTS_FILE, lambda file: torch.save({**objects, **binding}, file))
             except Exception as err:
                 error = TimeoutError if _timed_out(err) else RuntimeError
                 raise error(f"{failed} {type(err).__name__}: {save.describe(err)}") from err
@@ -133,6 +197,25 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
             raise
     finally:
         save.close()
+
+
+def _part(save: Any, writer: Any, rank: int) -> dict[str, Any]:
+    """This rank's part of the commit: what the store made of its files, and each of its data files' size and records
+    digest (``data_files``, read from the copy this rank wrote), or the error it met."""
+    part = save.part(writer, rank)
+    if "error" in part:
+        return part
+    try:
+        return {**part, "data_files": data_files_written(save.folder, writer.written)}
+    except Exception as err:
+        return {"error": f"reading back rank {rank}'s data files failed: {type(err).__name__}: {err}", "raises": "RuntimeError"}
+
+
+def _binding(folder: Path, save_id: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0: what the objects file (whose records carry CRCs) records to bind every file to this save: the CRC of the
+    index (a plain pickle with none of its own), the save's id, and each data file's name, size and records digest."""
+    data_files = {name: entry for part in parts for name, entry in part["data_files"].items()}
+    return {"index_crc32": crc32((folder / INDEX_FILE).read_bytes()), "save_id": save_id, "data_files": data_files}
 
 
 # the class a rank's failed part names (it crosses ranks as a string): a store out of reach gives the class a
@@ -153,72 +236,6 @@ def _timed_out(err: BaseException) -> bool:
     return False
 
 
-def load_sharded(
-    path: str | Path | Store,
-    state: dict[str, Any] | None = None,
-    strict: bool = True,
-    weights_only: bool | None = None,
-    found: Found | None = None,
-) -> dict[str, Any]:
-    """Restore ``state`` in place from a sharded checkpoint (or a full checkpoint file) into objects of any
-    layout, checked and read on every rank before any rank changes anything (``restore``); return what was not
-    asked for (without ``state``: the whole checkpoint, tensors in full). ``found``: what the location holds, as
-    every rank agreed (``Store.detect`` on rank 0), else detected here."""
-    wait_for_pending_save()
-    store = locate(path)
-    if found is None and isinstance(state, dict):  # a collective: every rank reads what rank 0 found (one checkpoint for all)
-        found = on_rank_zero(store.detect, rank=rank_in_group(), broadcast=broadcast_in_group, origin="Rank 0 could not open the checkpoint")
-    elif found is None:
-        found = store.detect()
-    store.adopt(found)
-    if found.kind in ("file", "missing"):
-        return load_full(store, state, strict=strict, weights_only=weights_only)
-    if found.kind == "lightning":  # Lightning Fabric's layout: read whole, then loaded as a full file is
-        folder = store.sharded_read().open()  # (a local folder: Lightning Fabric never wrote to a store)
-        if state is None:
-            return read_lightning_folder(folder, weights_only)
-        if not isinstance(state, dict):
-            raise TypeError(f"Loading the sharded checkpoint {store.shown!r} needs a dict of states, got a {type(state).__name__}")
-        source = FullFile(store, state, weights_only, read_file=lambda: read_lightning_folder(folder, weights_only))
-        return restore(source, state, strict=strict, agree=agree_in_group)
-    if found.kind == "folder":
-        raise CheckpointLoadError(incomplete_folder(store.sharded_read().open()))
-    reading = store.sharded_read()
-    try:
-        with reading.naming():
-            if state is None:
-                whole = ShardedFolder(reading, {}, weights_only)
-                return read_full(whole.folder, whole.objects, whole.index, keys=list(whole.keys()), fetch=whole.fetch)
-            if not isinstance(state, dict):
-                raise TypeError(
-                    f"Loading the sharded checkpoint {store.shown!r} needs a dict of states such as"
-                    f" {{'model': model, 'optimizer': optimizer}}, got a {type(state).__name__}"
-                )
-            shards = ShardedFolder(reading, state, weights_only, agreed=True)
-            try:
-                return restore(shards, state, strict=strict, agree=agree_in_group)
-            except BaseException:
-                shards.undo_state_init()
-                raise
-    finally:
-        reading.close()
-
-
-def incomplete_folder(folder: Path) -> str:
-    """Why ``folder`` (not a complete sharded checkpoint) cannot be loaded, naming what it lacks."""
-    if not any(folder.iterdir()):
-        return f"Checkpoint path {str(folder)!r} is an empty folder, not a checkpoint"
-    for name in (INDEX_FILE, OBJECTS_FILE):
-        kind = disk.special_kind(folder / name) if (folder / name).is_symlink() else None
-        if kind is not None:
-            return f"{str(folder)!r} is a sharded checkpoint folder whose {name} is {kind}; it cannot be read"
-    lacking = [name for name in (INDEX_FILE, OBJECTS_FILE) if not (folder / name).is_file()]
-    return (
-        f"{str(folder)!r} is a folder but not a complete sharded checkpoint: it has no {' and no '.join(lacking)}"
-        " (a copy that stopped early, or files deleted since); load a complete checkpoint"
-    )
-
-
 class ShardedFolder:
     """A folder of shards as an ``EntrySource``: checks from its index alone, reads into new storage of the
     target's layout (any number of processes), hands the values to torch's distributed state-dict API. ``agreed``:
@@ -227,7 +244,7 @@ class ShardedFolder:
     def __init__(self, reading: ShardedRead, state: dict[str, Any], weights_only: bool | None, agreed: bool = False) -> None:
         self.path = reading.shown
         self._reading = reading
-        self.fetch: Fetch | None = reading.fetch
+        self.fetch: Fetch | None = reading.fetch  # (a store's: with the checks of a file fetched whole, once opened)
         self._agreed = agreed
         self._state = state
         self._weights_only = weights_only
@@ -237,13 +254,52 @@ class ShardedFolder:
 
     def _open(self) -> tuple[Path, dict[str, Any], Any]:
         if self._opened is None:
-            folder = self._reading.open()
+            folder = self._reading.open((INDEX_FILE, OBJECTS_FILE))
             objects = read_objects(folder, self._weights_only)
             check_index_crc(folder, objects.get("index_crc32"))
             index = read_index(folder)
-            self._reading.check_binding(folder, index, objects, _rank_and_world_size() if self._agreed else None)
+            self._check_binding(folder, index, objects)
             self._opened = (folder, objects, index)
         return self._opened
+
+    def _check_binding(self, folder: Path, index: Any, objects: dict[str, Any]) -> None:
+        """The index, the objects file and the data files are of one save, before anything is read: on a local folder
+        from the files' sizes and records digests (each rank every world-size-th file's, when the ranks agree
+        afterwards); on a store from its commit record's sizes, and each file fetched whole as on a local folder."""
+        save_id, recorded = objects.get("save_id"), objects.get("data_files")  # (recorded: checked before it is used)
+        on_store = self._reading.recorded()
+        if on_store is None:
+            check_data_files_belong(folder, index, save_id, recorded, _rank_and_world_size() if self._agreed else None)
+            return
+        generation, sizes = on_store
+        if save_id != generation:
+            raise CorruptCheckpointError(
+                f"Checkpoint {self.path!r} mixes objects of different saves: its {OBJECTS_FILE!r} was written by save"
+                f" {save_id}, its commit record names generation {generation}"
+            )
+        check_files_listed(self.path, recorded, index, f"the save that wrote {OBJECTS_FILE!r} (save {save_id})")
+        assert isinstance(recorded, dict)  # (what check_files_listed made sure of)
+        for name, entry in sorted(recorded.items()):
+            if sizes.get(name) != entry.get("bytes"):
+                said = "does not list it" if name not in sizes else f"says {sizes[name]} bytes"
+                raise CorruptCheckpointError(
+                    f"Checkpoint {self.path!r} mixes objects of different saves: {OBJECTS_FILE!r} records the data file"
+                    f" {name!r} with {entry.get('bytes')} bytes, the commit record {said}"
+                )
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for info in (index.storage_data or {}).values():
+            spans.setdefault(info.relative_path, []).append((info.offset, info.length))
+        self._reading.expect_items(spans)
+        fetch = self._reading.fetch
+        assert fetch is not None, "a store's sharded read fetches what it reads"
+
+        def fetch_and_check(needed: dict[str, list[tuple[int, int, str]]]) -> set[str]:
+            whole = fetch(needed)  # a file fetched whole is checked as a local folder's file is
+            for name in sorted(whole):
+                check_data_files_belong(folder, index, save_id, recorded, only={name})
+            return whole
+
+        self.fetch = fetch_and_check
 
     @property
     def folder(self) -> Path:
@@ -273,27 +329,28 @@ class ShardedFolder:
         skeleton, kinds, paths, index = self.objects["skeleton"], self.objects["kinds"], self.objects["tensors"], self.index
         self._had_no_state = [obj for obj in present.values() if isinstance(obj, Optimizer) and not obj.state]
         for key, obj in present.items():
-            kind, saved_kind = layout.kind_of(obj), kinds.get(key, OTHER)
-            fit.check_kind(key, kind, saved_kind)
+            kind, saved_kind = kind_of(obj), kinds.get(key, OTHER)
+            check_kind(key, kind, saved_kind)
             if kind == OTHER:
-                fit.check_stateful_entry(key, obj, skeleton[key])
+                check_stateful_entry(key, obj, skeleton[key])
                 continue
-            current = collect_states(layout.DistributedStateDicts(self._state, StateDictOptions()), self._state, keys=[key])[key]
+            hooks = DistributedStateDicts(self._state, StateDictOptions(), error=CheckpointMismatchError)
+            current = collect_states(hooks, self._state, keys=[key])[key]
             own = {flat: path for flat, path in paths.items() if path[0] == key}
             if kind == MODULE:
                 saved_shapes: dict[str, Any] = dict.fromkeys(skeleton[key])
                 for flat, path in own.items():
                     saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
-                fit.check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)
+                check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)
             else:
-                fit.check_optimizer_fits(key, skeleton[key], current)
-            _, current_tensors, current_paths = layout.split_tensors({key: current}, {key: kind})
+                check_optimizer_fits(key, skeleton[key], current)
+            _, current_tensors, current_paths = split_tensors({key: current}, {key: kind})
             targets = {path: current_tensors[flat] for flat, path in current_paths.items()}
             into = {flat: targets[path] for flat, path in own.items() if path in targets}
             for flat, target in into.items():
                 saved = tuple(index.state_dict_metadata[flat].size)
                 if saved != tuple(target.shape):
-                    raise fit.CheckpointMismatchError(
+                    raise CheckpointMismatchError(
                         f"state[{key!r}]: {'/'.join(map(str, own[flat][1:]))!r} has shape {saved} in the"
                         f" checkpoint but {tuple(target.shape)} here"
                     )
@@ -312,7 +369,7 @@ class ShardedFolder:
         it: no second copy, and a failed load empties it); and the rest of the checkpoint, tensors in full."""
         skeleton, paths = self.objects["skeleton"], self.objects["tensors"]
         # a placeholder sharing memory with a parameter, a buffer or another placeholder is staged like the rest
-        taken = {_storage_of(tensor) for tensor in layout.parameters_and_buffers(present.values())}
+        taken = {_storage_of(tensor) for tensor in parameters_and_buffers(present.values())}
         staged = {}
         for key, into in self._targets.items():
             fresh = present[key] in self._had_no_state  # its state is torch's placeholder: read straight into it
@@ -322,7 +379,7 @@ class ShardedFolder:
                 taken.add(storage)
         _read_tensors(self.folder, staged, fetch=self.fetch)
         values = {
-            key: layout.fill(skeleton[key], staged, paths, key) if key in self._targets else skeleton[key] for key in present
+            key: fill(skeleton[key], staged, paths, key) if key in self._targets else skeleton[key] for key in present
         }
         rest = [key for key in skeleton if key not in present]
         return values, read_full(self.folder, self.objects, self.index, keys=rest, fetch=self.fetch)
@@ -335,8 +392,9 @@ class ShardedFolder:
     def load_optimizer(self, key: str, optimizer: Optimizer, value: Any) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(layout.owner_of(optimizer, self._state, key), optimizer, value, options=StateDictOptions())
-        layout.keep_saved_group_options(optimizer, value)
+        module = module_in_state(optimizer, self._state, key, CheckpointMismatchError)
+        set_optimizer_state_dict(module, optimizer, value, options=StateDictOptions())
+        keep_saved_group_options(optimizer, value)
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -360,19 +418,17 @@ def _read_tensors(folder: Path, destinations: dict[str, Tensor], full: bool = Fa
             reader = SafeFileSystemReader(folder, staging=staging, fetch=fetch)
             dcp.load(destinations, storage_reader=reader, no_dist=full or not _distributed())
     except (Exception, dcp.CheckpointException) as err:  # torch's CheckpointException is a BaseException
-        raise CheckpointLoadError(f"Reading the checkpoint {str(folder)!r} failed: {first_failure(err)}") from err
+        raise read_error(folder, err) from err
 
 
 def read_objects(folder: Path, weights_only: bool | None = None) -> dict[str, Any]:
     """The folder's objects file, loaded safely, after checking that it is one of ours."""
     objects_path = folder / OBJECTS_FILE
     if not objects_path.is_file():
-        raise CheckpointLoadError(
-            f"{str(folder)!r} is not a checkpoint folder written by fabric: it has no {OBJECTS_FILE}"
-        )
+        raise CorruptCheckpointError(f"{str(folder)!r} is not a checkpoint folder written by fabric: it has no {OBJECTS_FILE}")
     objects = safe_load(objects_path, weights_only=weights_only)
     if not isinstance(objects, dict) or objects.get("format") != FORMAT:
-        raise CheckpointLoadError(f"{str(objects_path)!r} is not a fabric checkpoint objects file")
+        raise CorruptCheckpointError(f"{str(objects_path)!r} is not a fabric checkpoint objects file")
     if objects.get("version") != VERSION:
         raise CheckpointLoadError(
             f"{str(folder)!r} has checkpoint format version {objects.get('version')!r}; this fabric reads {VERSION}"
@@ -390,8 +446,8 @@ def read_full(folder: Path, objects: dict[str, Any], index: Any, keys: list[str]
     _read_tensors(folder, destinations, full=True, fetch=fetch)
     result = {}
     for key in keys:
-        value = layout.fill(skeleton[key], destinations, wanted, key) if kinds[key] != OTHER else skeleton[key]
-        result[key] = layout.optimizer_numbered(value) if kinds[key] == OPTIMIZER else value
+        value = fill(skeleton[key], destinations, wanted, key) if kinds[key] != OTHER else skeleton[key]
+        result[key] = optimizer_numbered(value) if kinds[key] == OPTIMIZER else value
     return result
 
 

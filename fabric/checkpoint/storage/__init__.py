@@ -1,5 +1,6 @@
 """Where checkpoints live: the local disk (``disk``) and object stores reached through fsspec (``object_store``,
-``sharded_store``). The only package of the checkpoint wing that knows what a URL is.
+``sharded_store``). The only package of the checkpoint wing that knows what a URL is; it moves bytes and reports
+facts (what a location holds, sizes, checksums), and imports no format: what the bytes are is ``formats``'s.
 """
 
 from __future__ import annotations
@@ -7,9 +8,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fabric.checkpoint.storage.store import Found, Kind, ShardedRead, ShardedSave, Store
+from fabric.checkpoint.storage.store import Fetch, Found, Kind, ShardedRead, ShardedSave, Store
 
-__all__ = ["Found", "Kind", "ShardedRead", "ShardedSave", "Store", "locate"]
+__all__ = ["Fetch", "Found", "Kind", "ShardedRead", "ShardedSave", "Store", "locate"]
 
 
 def locate(path: str | os.PathLike | Store, writing: str | None = None) -> Store:

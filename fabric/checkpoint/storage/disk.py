@@ -16,15 +16,14 @@ import secrets
 import shutil
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO, Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fabric._core.processes import process_alive
-from fabric.checkpoint.formats.shard_reader import INDEX_FILE, LIGHTNING_META_FILE, OBJECTS_FILE, check_data_files_belong, data_files_of, read_index
-from fabric.checkpoint.integrity import crc32
+from fabric.checkpoint.errors import CheckpointNotFoundError, CheckpointPathError
 from fabric.checkpoint.storage.store import Found, ShardedRead, ShardedSave, Store, T
 
 _TEMP_PREFIX = ".fabric-tmp-"
@@ -81,10 +80,7 @@ class DiskStore(Store):
             return Found("missing")
         if not folder.is_dir():
             return Found("file")
-        if not (folder / INDEX_FILE).is_file():
-            return Found("folder")
-        lightning = (folder / LIGHTNING_META_FILE).is_file() and not (folder / OBJECTS_FILE).is_file()
-        return Found("lightning" if lightning else "sharded")
+        return Found("folder", _regular_files(folder))
 
     def exists(self) -> bool:
         return _exists(self.path)
@@ -117,7 +113,7 @@ class DiskStore(Store):
         if not self._looked:
             check_loadable(self.path)
         if not self.path.exists():
-            raise FileNotFoundError(f"Checkpoint file not found: {self.shown!r}")
+            raise CheckpointNotFoundError(f"Checkpoint file not found: {self.shown!r}")
         if self.path.is_dir():
             raise IsADirectoryError(f"Checkpoint path {self.shown!r} is a folder, not a file")
         with open(self.path, "rb", buffering=0) as file:
@@ -145,6 +141,22 @@ class DiskStore(Store):
         return _FolderRead(self.path)
 
 
+class RecordingWriter(FileSystemWriter):
+    """torch's file-system writer that keeps where it put each item (``written``: torch's records of file, offset and
+    length), this rank's part of the index before rank 0 writes the index. ``fs``: the file system it writes through."""
+
+    def __init__(self, path: Path, sync_files: bool, thread_count: int = 1, fs: Any = None) -> None:
+        super().__init__(path, sync_files=sync_files, thread_count=thread_count)
+        if fs is not None:
+            self.fs = fs
+        self.written: list[Any] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        self.written = [result.storage_data for result in future.wait()]
+        return future
+
+
 class _FolderSave(ShardedSave):
     """A sharded save into the temporary folder beside the target, published by renames (rank 0)."""
 
@@ -153,16 +165,10 @@ class _FolderSave(ShardedSave):
         self.folder = temp_folder_for(path, token)
 
     def writer(self, nbytes: int) -> Any:
-        return FileSystemWriter(self.folder, sync_files=True)
+        return RecordingWriter(self.folder, sync_files=True)
 
-    def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        # the index is a plain pickle with no checksum of its own: the objects file (whose records carry
-        # CRCs) carries one for it, and binds every data file to this save (name, size, its records' CRCs)
-        index_crc = crc32((self.folder / INDEX_FILE).read_bytes())
-        return {"index_crc32": index_crc, "save_id": self.token, "data_files": data_files_of(self.folder, read_index(self.folder))}
-
-    def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
-        atomic_write(self.folder / OBJECTS_FILE, write_objects)
+    def commit(self, parts: list[dict[str, Any]], name: str, write: Callable[[IO[bytes]], None]) -> None:
+        atomic_write(self.folder / name, write)
         commit_folder(self.folder, self.path, self.token)
 
     def abort(self) -> None:
@@ -176,11 +182,21 @@ class _FolderRead(ShardedRead):
         self.path = path
         self.shown = str(path)
 
-    def open(self) -> Path:
+    def open(self, names: Collection[str]) -> Path:
         return resolve_for_load(self.path)
 
-    def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
-        check_data_files_belong(folder, index, objects.get("save_id"), objects.get("data_files"), share)
+
+def _regular_files(folder: Path) -> frozenset[str]:
+    """The names of the regular files in ``folder`` (through symbolic links; one that loops or dangles is none)."""
+
+    def regular(entry: os.DirEntry[str]) -> bool:
+        try:
+            return entry.is_file()
+        except OSError:
+            return False
+
+    with os.scandir(folder) as entries:
+        return frozenset(entry.name for entry in entries if regular(entry))
 
 
 def _check_parents(path: Path) -> None:
@@ -212,7 +228,7 @@ def check_loadable(path: str | Path) -> None:
     which the reader reports). A FIFO would block ``open`` forever, a device read without end."""
     kind = special_kind(Path(path))
     if kind is not None and kind != "a folder":
-        raise ValueError(
+        raise CheckpointPathError(
             f"Cannot load a checkpoint from {str(path)!r}: it is {kind}; accepted: a checkpoint file or a sharded"
             " checkpoint folder"
         )
@@ -552,7 +568,7 @@ def resolve_for_load(path: str | Path) -> Path:
     asides = _siblings(path, ASIDE_PREFIX)
     if asides:
         return max(asides, key=lambda aside: aside.stat().st_mtime)
-    raise FileNotFoundError(f"Checkpoint not found: {str(path)!r}")
+    raise CheckpointNotFoundError(f"Checkpoint not found: {str(path)!r}")
 
 
 def remove_quietly(path: Path) -> None:

@@ -7,11 +7,10 @@ from collections.abc import Callable
 from typing import IO
 
 from fabric._core.urls import error_summary, filesystem, redact, store_errors, unreachable
-from fabric.checkpoint.errors import CommitRecordError, is_pickling_error
+from fabric.checkpoint.errors import CommitRecordError, ConcurrentSaveError, is_pickling_error
 from fabric.checkpoint.storage.objects import (
     DATA_SUFFIX,
     FILE_OBJECT,
-    ConcurrentSaveError,
     Record,
     commit,
     fetch_object,
@@ -47,7 +46,9 @@ class ObjectStore(Store):
                 record = read_record(fs, path, self.url)
         except FileNotFoundError:
             return Found("missing")
-        return Found("sharded" if record.kind == "sharded" else "file", record)
+        if record.kind == "sharded":  # a save of several objects: the folder of files the record lists
+            return Found("folder", frozenset(record.objects), record)
+        return Found("file", record=record)
 
     def adopt(self, found: Found) -> None:
         self._record = found.record

@@ -21,7 +21,13 @@ from typing import Any
 
 from fabric._core.processes import process_alive
 from fabric._core.urls import redact, store_errors, unreachable
-from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
+from fabric.checkpoint.errors import (
+    CheckpointLoadError,
+    CheckpointNotFoundError,
+    CommitRecordError,
+    ConcurrentSaveError,
+    CorruptCheckpointError,
+)
 from fabric.checkpoint.integrity import crc32
 
 RECORD_FORMAT = "fabric-commit"
@@ -81,7 +87,7 @@ def read_record(fs: Any, path: str, url: str) -> Record:
         hint = ""
         if _generations(fs, path):
             hint = " (objects of a save exist, but no commit record: that save did not finish)"
-        raise FileNotFoundError(f"Checkpoint not found: {redact(url)!r}{hint}") from None
+        raise CheckpointNotFoundError(f"Checkpoint not found: {redact(url)!r}{hint}") from None
     except IsADirectoryError:
         raise CommitRecordError(f"{redact(url)!r} is a folder on the store, not a checkpoint with a commit record") from None
     return _parse_record(data, url)
@@ -158,10 +164,6 @@ def _recommit_newest_whole(fs: Any, path: str, url: str) -> None:
                 return
     except Exception:
         pass
-
-
-class ConcurrentSaveError(OSError):
-    """Another writer of the same URL removed this save's objects before its commit (the checkpoint is the other's)."""
 
 
 def _record_or_none(fs: Any, path: str, url: str) -> Record | None:
@@ -462,15 +464,15 @@ def remove_failed_generation(fs: Any, path: str, url: str, generation: str) -> N
 
 
 def fetch_object(fs: Any, path: str, record: Record, name: str, url: str, local: Path | None = None) -> int:
-    """The object ``name`` of ``record``, its size and CRC-32 checked against the record (CommitRecordError naming what
-    differs), read into the new local file ``local``, else an anonymous in-memory file: its descriptor, for the caller to close."""
+    """The object ``name`` of ``record``, its size and CRC-32 checked against the record (CorruptCheckpointError naming
+    what differs), read into the new local file ``local``, else an anonymous in-memory file: its descriptor, for the caller to close."""
     fd = _anonymous_file() if local is None else os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
         remote, where, size = _listed_object(fs, path, record, name, url)
         digests = ItemDigests([(0, size)])
         _fetch_range(fs, remote, 0, size, digests, fd, local, where, "(truncated while it was read)")
         if digests.crcs[0] != record.objects[name]["crc32"]:
-            raise CommitRecordError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
+            raise CorruptCheckpointError(f"{where}: its bytes do not match the CRC-32 in the commit record (damaged, or from another save)")
     except BaseException:
         os.close(fd)
         raise
@@ -484,7 +486,7 @@ def _where(url: str, record: Record, name: str) -> str:
 def _expected(record: Record, name: str, url: str) -> dict[str, Any]:
     expected = record.objects.get(name)
     if expected is None:
-        raise CommitRecordError(f"{_where(url, record, name)}: the commit record does not list it")
+        raise CorruptCheckpointError(f"{_where(url, record, name)}: the commit record does not list it")
     return expected
 
 
@@ -499,9 +501,9 @@ def _listed_object(fs: Any, path: str, record: Record, name: str, url: str) -> t
     try:
         size = fs.size(remote)
     except FileNotFoundError:
-        raise CommitRecordError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
+        raise CorruptCheckpointError(f"{where} is missing: the commit record lists it ({expected['size']} bytes)") from None
     if size != expected["size"]:
-        raise CommitRecordError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
+        raise CorruptCheckpointError(f"{where} has {size} bytes, the commit record says {expected['size']} (truncated, or from another save)")
     return remote, where, size
 
 
@@ -515,9 +517,9 @@ def _fetch_range(fs: Any, remote: str, start: int, end: int, digests: ItemDigest
         try:
             piece = fs.cat_file(remote, start=position, end=stop)
         except FileNotFoundError:
-            raise CommitRecordError(f"{where} is missing: the commit record lists it") from None
+            raise CorruptCheckpointError(f"{where} is missing: the commit record lists it") from None
         if not piece:
-            raise CommitRecordError(f"{where} ends at byte {position}, before byte {end} {cut}")
+            raise CorruptCheckpointError(f"{where} ends at byte {position}, before byte {end} {cut}")
         if len(piece) > stop - position:  # a store that answers a range with more bytes: none of them is trusted
             raise CommitRecordError(f"{where}: the store answered bytes {position} to {stop} with {len(piece)} bytes")
         digests.update(piece, position)
@@ -552,7 +554,7 @@ def fetch_items(
 ) -> None:
     """Copy the byte ranges ``items`` of the data file ``name`` into the same offsets of the local file ``local`` (the
     rest of it stays a hole), each checked against its CRC-32 in ``crcs`` (:func:`item_crcs`); a missing object, one
-    of another size, or an item whose bytes differ raises CommitRecordError naming the object (and the item)."""
+    of another size, or an item whose bytes differ raises CorruptCheckpointError naming the object (and the item)."""
     remote, where, _ = _listed_object(fs, path, record, name, url)
     fd = os.open(local, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
@@ -563,7 +565,7 @@ def fetch_items(
             _fetch_range(fs, remote, start, end, digests, fd, local, where, "the index places data up to (truncated)")
             for (offset, length, held), crc in zip(group, digests.crcs):
                 if crc != crcs[(offset, length)]:
-                    raise CommitRecordError(
+                    raise CorruptCheckpointError(
                         f"{where}: the bytes of {held!r} (bytes {offset} to {offset + length}) do not match the CRC-32 in the"
                         " commit record (damaged, or from another save)"
                     )
@@ -573,12 +575,12 @@ def fetch_items(
 
 def item_crcs(record: Record, name: str, spans: Sequence[tuple[int, int]], url: str) -> dict[tuple[int, int], int]:
     """The CRC-32 the commit record keeps (in offset order) for each of ``spans``, all the items the index places in the
-    data file ``name``, by ``(offset, length)``; a record that keeps another number of them raises CommitRecordError."""
+    data file ``name``, by ``(offset, length)``; a record that keeps another number of them raises CorruptCheckpointError."""
     expected = _expected(record, name, url)
     crcs = expected.get(ITEMS_KEY)
     every = sorted(set(spans))
     if not isinstance(crcs, list) or len(crcs) != len(every):
-        raise CommitRecordError(
+        raise CorruptCheckpointError(
             f"{_where(url, record, name)}: the commit record keeps {len(crcs) if isinstance(crcs, list) else 'no'} item"
             f" checksums for it, the index places {len(every)} items there (the record and the index are not of one save)"
         )

@@ -9,18 +9,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import fabric.checkpoint.storage.objects as storage
 from fabric._core.urls import error_summary, filesystem, redact, unreachable
-from fabric.checkpoint.errors import CheckpointLoadError, CommitRecordError
-from fabric.checkpoint.formats.shard_reader import INDEX_FILE, OBJECTS_FILE, check_data_files_belong, check_files_listed, data_files_written
+from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError
+from fabric.checkpoint.storage.disk import RecordingWriter
 from fabric.checkpoint.storage.store import ShardedRead, ShardedSave
 
 __all__ = ["StoreFolder", "StoreSave"]
@@ -105,24 +104,10 @@ _MAX_FILES = 4
 _BYTES_PER_FILE = 16 << 20
 
 
-class _RecordingWriter(FileSystemWriter):
-    """torch's file-system writer (unsynced, over ``fs``, ``files`` data files written by as many threads) that
-    keeps where it put each item: the rank's part of the index, known before rank 0 writes the index."""
-
-    def __init__(self, path: Path, fs: _UploadingFileSystem, files: int) -> None:
-        super().__init__(path, sync_files=False, thread_count=files)
-        self.fs = fs
-        self.written: list[Any] = []  # torch's _StorageInfo (file, offset, length) of each item
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        future = super().write_data(plan, planner)
-        self.written = [result.storage_data for result in future.wait()]
-        return future
-
-
 class StoreSave(ShardedSave):
     """One rank's side of a sharded save to a store: its shards written into a staging folder and uploaded as they
-    are written; rank 0 uploads the objects file and commits the record."""
+    are written (the rest of its folder, rank 0's index, once written); rank 0 uploads the format's file last and
+    commits the record."""
 
     room_hint = " (set TMPDIR to a folder with room)"
 
@@ -142,11 +127,12 @@ class StoreSave(ShardedSave):
         except Exception as err:  # this rank still writes its part (the save is a collective), then reports it
             self._unreachable = err
         self._files = _UploadingFileSystem(start)
-        return _RecordingWriter(self.folder, self._files, max(1, min(_MAX_FILES, nbytes // _BYTES_PER_FILE)))
+        files = max(1, min(_MAX_FILES, nbytes // _BYTES_PER_FILE))
+        return RecordingWriter(self.folder, sync_files=False, thread_count=files, fs=self._files)
 
     def part(self, writer: Any, rank: int) -> dict[str, Any]:
-        """Each data file's upload digest with its items' CRC-32s and its records digest (on rank 0 also the index,
-        uploaded now), or the error this rank met."""
+        """Each data file's upload digest with its items' CRC-32s, and every other file of the folder (rank 0's index)
+        uploaded now, or the error this rank met."""
         try:
             if self._unreachable is not None:
                 raise self._unreachable
@@ -169,27 +155,23 @@ class StoreSave(ShardedSave):
                 if digest["size"] != (self.folder / name).stat().st_size:
                     raise OSError(f"the upload of {name!r} sent {digest['size']} bytes of {(self.folder / name).stat().st_size}")
                 uploaded[name] = {**digest, storage.ITEMS_KEY: storage.item_crcs_of_file(self.folder / name, spans)}
-            data_files = data_files_written(self.folder, writer.written)
-            if rank == 0:
-                uploaded[INDEX_FILE] = storage.upload_file(fs, self.folder / INDEX_FILE, f"{prefix}/{INDEX_FILE}", self.url)
-            return {"data_files": data_files, "uploaded": uploaded}
+            for local in sorted(self.folder.iterdir()):  # written whole once the shards were (rank 0's index)
+                if local.name not in uploads and local.name not in items and local.is_file():
+                    uploaded[local.name] = storage.upload_file(fs, local, f"{prefix}/{local.name}", self.url)
+            return {"uploaded": uploaded}
         except Exception as err:
             self._silent = unreachable(err)
             failed = f"uploading rank {rank}'s part failed: {type(err).__name__}: {error_summary(err, self.url)}"
             raises = "TimeoutError" if isinstance(err, TimeoutError) else "OSError" if self._silent else "RuntimeError"
             return {"error": failed, "raises": raises}
 
-    def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        self._uploaded: dict[str, Any] = {name: digest for part in parts for name, digest in part["uploaded"].items()}
-        data_files = {name: entry for part in parts for name, entry in part["data_files"].items()}
-        return {"index_crc32": self._uploaded[INDEX_FILE]["crc32"], "save_id": self.generation, "data_files": data_files}
-
-    def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
+    def commit(self, parts: list[dict[str, Any]], name: str, write: Callable[[IO[bytes]], None]) -> None:
         fs, path = filesystem(self.url)
         prefix = storage.generation_prefix(path, self.generation)
+        uploaded = {uploaded: digest for part in parts for uploaded, digest in part["uploaded"].items()}
         try:
-            self._uploaded[OBJECTS_FILE] = storage.write_object(fs, f"{prefix}/{OBJECTS_FILE}", write_objects, self.url)
-            storage.commit(fs, path, self.url, storage.Record("sharded", self.generation, self._uploaded))
+            uploaded[name] = storage.write_object(fs, f"{prefix}/{name}", write, self.url)
+            storage.commit(fs, path, self.url, storage.Record("sharded", self.generation, uploaded))
         except BaseException as err:
             self._silent = unreachable(err)  # (a commit record sent may still land: its generation must stay whole)
             raise
@@ -229,7 +211,6 @@ class StoreFolder(ShardedRead):
         self.folder = storage.new_staging("load")
         self._crcs: dict[str, dict[tuple[int, int], int]] = {}  # data file -> (offset, length) of each item -> CRC-32
         self._fetched: dict[str, set[tuple[int, int]]] = {}
-        self._binding: tuple[Any, Any, Any] | None = None  # (index, save id, data files) for the whole-file check
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -238,44 +219,27 @@ class StoreFolder(ShardedRead):
         fs, path = filesystem(self.url)
         return fs, path, self._record()
 
-    def open(self) -> Path:
-        """The staging folder with the index and the objects file, each checked against the commit record."""
+    def open(self, names: Collection[str]) -> Path:
+        """The staging folder with the objects ``names``, each fetched whole and checked against the commit record."""
         fs, path, record = self._store()
         with storage.reading(self.url, "the sharded checkpoint"):
-            for name in (INDEX_FILE, OBJECTS_FILE):
+            for name in names:
                 if not (self.folder / name).exists():
                     os.close(storage.fetch_object(fs, path, record, name, self.url, self.folder / name))
         return self.folder
 
-    def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
-        """The commit record, the objects file and the index are of one save, and the record keeps each item's CRC-32."""
+    def recorded(self) -> tuple[str, dict[str, int]]:
         _, _, record = self._store()
-        save_id = objects.get("save_id")
-        recorded: Any = objects.get("data_files")  # checked by check_files_listed
-        if save_id != record.generation:
-            raise CheckpointLoadError(
-                f"Checkpoint {self.shown!r} mixes objects of different saves: its {OBJECTS_FILE!r} was written by save"
-                f" {save_id}, its commit record names generation {record.generation}"
-            )
-        check_files_listed(self.shown, recorded, index, f"the save that wrote {OBJECTS_FILE!r} (save {save_id})")
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for info in (index.storage_data or {}).values():
-            spans.setdefault(info.relative_path, []).append((info.offset, info.length))
-        for name, entry in sorted(recorded.items()):
-            listed = record.objects.get(name)
-            if listed is None or listed["size"] != entry.get("bytes"):
-                said = "does not list it" if listed is None else f"says {listed['size']} bytes"
-                raise CommitRecordError(
-                    f"Checkpoint {self.shown!r} mixes objects of different saves: {OBJECTS_FILE!r} records the data file"
-                    f" {name!r} with {entry.get('bytes')} bytes, the commit record {said}"
-                )
-        self._crcs = {name: storage.item_crcs(record, name, items, self.url) for name, items in spans.items()}
-        self._binding = (index, save_id, recorded)
+        return record.generation, {name: entry["size"] for name, entry in record.objects.items()}
 
-    def fetch(self, needed: dict[str, list[tuple[int, int, str]]]) -> None:
-        """Bring the items ``needed`` into the staging folder, each checked against its CRC-32 in the commit record, and a
-        file now there whole against its records digest (as a local folder's are); up to four files at once (a store
-        serves parallel GETs faster than one stream), raising the first file's error in name order."""
+    def expect_items(self, spans: dict[str, list[tuple[int, int]]]) -> None:
+        _, _, record = self._store()
+        self._crcs = {name: storage.item_crcs(record, name, items, self.url) for name, items in spans.items()}
+
+    def fetch(self, needed: dict[str, list[tuple[int, int, str]]]) -> set[str]:
+        """Bring the items ``needed`` into the staging folder, each checked against its CRC-32 in the commit record; up to
+        four files at once (a store serves parallel GETs faster than one stream), raising the first file's error in name
+        order. Returns the files now there whole (for the checks a local folder's files get)."""
         from concurrent.futures import ThreadPoolExecutor
 
         fs, path, record = self._store()
@@ -283,12 +247,12 @@ class StoreFolder(ShardedRead):
         for name, items in sorted(needed.items()):
             crcs = self._crcs.get(name)
             if crcs is None:
-                raise CommitRecordError(f"Checkpoint {self.shown!r}: its index places items in {name!r}, which the commit record does not list")
+                raise CorruptCheckpointError(f"Checkpoint {self.shown!r}: its index places items in {name!r}, which the commit record does not list")
             have = self._fetched.setdefault(name, set())
             missing = [item for item in items if (item[0], item[1]) not in have]
             unknown = [item for item in missing if (item[0], item[1]) not in crcs]
             if unknown:
-                raise CommitRecordError(f"Checkpoint {self.shown!r}: {unknown[0][2]!r} is not an item the index places in {name!r}")
+                raise CorruptCheckpointError(f"Checkpoint {self.shown!r}: {unknown[0][2]!r} is not an item the index places in {name!r}")
             if missing:
                 work.append((name, missing, crcs))
 
@@ -305,12 +269,13 @@ class StoreFolder(ShardedRead):
                         raise error
             elif work:
                 fetch(*work[0])
+        whole = set()
         for name, missing, crcs in work:
             have = self._fetched[name]
             have.update((offset, length) for offset, length, _ in missing)
-            if len(have) == len(crcs) and self._binding is not None:
-                index, save_id, recorded = self._binding
-                check_data_files_belong(self.folder, index, save_id, recorded, only={name})
+            if len(have) == len(crcs):
+                whole.add(name)
+        return whole
 
     @contextmanager
     def naming(self) -> Iterator[None]:

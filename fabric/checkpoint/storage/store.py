@@ -6,29 +6,33 @@ derive from these protocols for their defaults (a bare ``return``: mypy takes an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
-
-if TYPE_CHECKING:
-    from fabric.checkpoint.formats.shard_reader import Fetch
+from typing import IO, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
 
-#: What a location holds: nothing, one checkpoint file, a sharded checkpoint (ours, or Lightning Fabric's
-#: folder layout), or a folder that is no complete sharded checkpoint.
-Kind = Literal["missing", "file", "sharded", "lightning", "folder"]
+#: What a location holds: nothing, one file, or a folder of files (on a store: a save of several objects).
+Kind = Literal["missing", "file", "folder"]
 
 
 @dataclass(frozen=True)
 class Found:
-    """What ``Store.detect`` found (picklable: rank 0 sends it to every rank). ``record``: an object store's
-    commit record, so the ranks that adopt it read the checkpoint rank 0 found, without reading the record again."""
+    """What ``Store.detect`` found: facts, of which the formats' table makes a format (picklable: rank 0 sends it to
+    every rank). ``files``: a folder's regular files by name (a store's: the objects its commit record lists).
+    ``record``: an object store's commit record, so the ranks that adopt it read the checkpoint rank 0 found,
+    without reading the record again."""
 
     kind: Kind
+    files: frozenset[str] = frozenset()
     record: Any = None
+
+
+#: Brings the byte ranges a read needs into the local folder, by file: ``{file: [(offset, length, what it holds),
+#: ...]}``; returns the files now there whole (every item of theirs fetched).
+Fetch = Callable[[dict[str, list[tuple[int, int, str]]]], set[str]]
 
 
 @runtime_checkable
@@ -76,24 +80,25 @@ class Store(Protocol):
 
 
 class ShardedSave(Protocol):
-    """One rank's side of one sharded save: ``folder`` is where torch's writer puts this rank's shards (defaults: a local folder's)."""
+    """One rank's side of one sharded save: ``folder`` is where torch's writer puts this rank's shards (defaults: a
+    local folder's). The store moves bytes and keeps their sizes and checksums; what the files are is the format's."""
 
     folder: Path
     #: said after a local-disk error of the staging folder (where to find room)
     room_hint: str = ""
 
     def writer(self, nbytes: int) -> Any:
-        """torch's storage writer for this rank's ``nbytes`` of shards."""
+        """torch's storage writer for this rank's ``nbytes`` of shards; its ``written`` keeps where it put each item
+        (torch's records of file, offset and length)."""
 
     def part(self, writer: Any, rank: int) -> dict[str, Any]:
-        """This rank's part of the commit, once its shards are written (or ``{"error": ..., "raises": <the class's name>}``)."""
-        return {}  # rank 0 reads every rank's files from the folder they share
+        """What this rank's files are on the store once written, for rank 0's commit (or ``{"error": ..., "raises": <the
+        class's name>}``): every file of its folder, sent (a store) or there already (the disk: rank 0 sees them)."""
+        return {}
 
-    def binding(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Rank 0: what the objects file records to bind the save's files (index CRC, save id, data files)."""
-
-    def commit(self, write_objects: Callable[[IO[bytes]], None]) -> None:
-        """Rank 0: write the objects file, then make the save the checkpoint (renames, or the commit record)."""
+    def commit(self, parts: list[dict[str, Any]], name: str, write: Callable[[IO[bytes]], None]) -> None:
+        """Rank 0, given every rank's part: ``write`` the file ``name`` last, then make the save the checkpoint (renames,
+        or the commit record)."""
 
     def describe(self, err: BaseException) -> str:
         """``err``'s message as the save's error repeats it (on a store: its first line, the URL without secrets)."""
@@ -108,16 +113,24 @@ class ShardedSave(Protocol):
 
 
 class ShardedRead(Protocol):
-    """A sharded checkpoint opened for reading: a local folder with its index and objects file; ``fetch`` brings
-    the items a read needs into it (None, the default: the folder holds every file already)."""
+    """A sharded checkpoint opened for reading, as a local folder; ``fetch`` brings the items a read needs into it
+    (None, the default: the folder holds every file already). Facts only: the format checks what they mean."""
 
     shown: str
     fetch: Fetch | None = None
 
-    def open(self) -> Path: ...
+    def open(self, names: Collection[str]) -> Path:
+        """The local folder, holding the files ``names`` whole (a store's fetched and checked against its record)."""
 
-    def check_binding(self, folder: Path, index: Any, objects: dict[str, Any], share: tuple[int, int] | None) -> None:
-        """The index, the objects file and the data files are of one save, checked before anything is read."""
+    def recorded(self) -> tuple[str, dict[str, int]] | None:
+        """(the save's name, each file's size) as the store's commit record keeps them; None for a local folder,
+        whose files are all there is."""
+        return None
+
+    def expect_items(self, spans: dict[str, list[tuple[int, int]]]) -> None:
+        """Every item a read may fetch, by file (``(offset, length)``): a store whose record keeps no checksum for
+        each refuses them here (``CorruptCheckpointError``), before anything is read."""
+        return
 
     def naming(self) -> AbstractContextManager[None]:
         """Errors of the local checks name the checkpoint, not a staging folder."""

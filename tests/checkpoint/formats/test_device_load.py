@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from fabric import Fabric
-from fabric.checkpoint import pipeline
 from fabric.checkpoint.errors import CheckpointLoadError, CorruptCheckpointError
 from fabric.checkpoint.formats import device_load
+from fabric.checkpoint.formats import file as single_file
 from fabric.checkpoint.formats.device_load import HostStaging, RingReader, load_staged
 from fabric.checkpoint.integrity import CheckedArchive
 from support.archives import data_range, flipped
@@ -376,7 +376,7 @@ def host_staging(monkeypatch: pytest.MonkeyPatch) -> list[CountingStaging]:
         made.append(CountingStaging(2, 4096))
         return made[-1]
 
-    monkeypatch.setattr(pipeline, "staging_device", lambda objects: torch.device("cpu"))
+    monkeypatch.setattr(single_file, "staging_device", lambda objects: torch.device("cpu"))
     monkeypatch.setattr(device_load, "staging_for", staging_for)
     return made
 
@@ -423,9 +423,9 @@ def test_a_damaged_record_on_the_staged_path_changes_nothing(tmp_path, host_stag
 
 def test_the_staging_device_is_the_one_gpu_every_module_and_optimizer_tensor_is_on():
     model, optimizer = model_and_optimizer()
-    assert pipeline.staging_device([model, optimizer, 3, "x"]) is None  # on the CPU: the CPU path
-    assert pipeline.staging_device([]) is None
-    assert pipeline.staging_device([nn.Linear(2, 2, device="meta")]) is None
+    assert single_file.staging_device([model, optimizer, 3, "x"]) is None  # on the CPU: the CPU path
+    assert single_file.staging_device([]) is None
+    assert single_file.staging_device([nn.Linear(2, 2, device="meta")]) is None
     assert device_load.staging_for(None) is None
     assert device_load.staging_for("cpu") is None
     assert device_load.staging_for(torch.device("meta")) is None

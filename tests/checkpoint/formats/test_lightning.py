@@ -18,9 +18,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fabric import Fabric
+from fabric.checkpoint.formats import choose, load_sharded
 from fabric.checkpoint.formats.file import CheckpointLoadError, UnsafeCheckpointError
+from fabric.checkpoint.formats.lightning import LIGHTNING
 from fabric.checkpoint.formats.shard_reader import read_index
-from fabric.checkpoint.formats.sharded import load_sharded
+from fabric.checkpoint.formats.sharded import SHARDED
 from fabric.checkpoint.storage import locate
 from support.dcp_jobs import job_model, run_job
 from support.environment import clean_env
@@ -50,7 +52,8 @@ def assert_same_state(actual: dict, expected: dict) -> None:
 def test_lightning_layout_from_two_fsdp_processes_loads_into_one_plain_process(saved_on_two):
     folder = saved_on_two / "lightning-layout"
     assert sorted(p.name for p in folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    assert locate(folder).detect().kind == "lightning" and locate(saved_on_two / "sharded").detect().kind == "sharded"
+    lightning, ours = locate(folder), locate(saved_on_two / "sharded")
+    assert choose(lightning.detect(), lightning) is LIGHTNING and choose(ours.detect(), ours) is SHARDED
     reference = torch.load(saved_on_two / "reference-rank0.pt", weights_only=True)
     model, optimizer = plain_model_and_optimizer(seed=3)
     state = {"model": model, "optimizer": optimizer, "step": 0}

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from fabric.checkpoint.formats.sharded import load_sharded
+from fabric.checkpoint.formats import load_sharded
 from support.dcp_jobs import JOB, finish_job, job_model, run_job, start_job
 from support.environment import clean_env, free_port
 from support.loading import load_script, script_path

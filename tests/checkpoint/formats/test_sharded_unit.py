@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from fabric import Fabric
+from fabric.checkpoint.formats import choose, load_sharded
 from fabric.checkpoint.formats.file import CheckpointLoadError
 from fabric.checkpoint.formats.full import save_full
-from fabric.checkpoint.formats.sharded import OBJECTS_FILE, load_sharded, save_sharded
+from fabric.checkpoint.formats.sharded import OBJECTS_FILE, SHARDED, save_sharded
 from fabric.checkpoint.storage import disk as atomic_folder
 from fabric.checkpoint.storage import locate
 from support.models import stepped_pair
@@ -53,7 +54,8 @@ def test_replacing_a_checkpoint_leaves_a_whole_one_in_every_window(tmp_path):
     aside = tmp_path / f"{atomic_folder.ASIDE_PREFIX}ckpt.{token}"
     os.rename(target, aside)
     assert atomic_folder.resolve_for_load(target) == aside
-    assert locate(target).detect().kind == "sharded"
+    store = locate(target)
+    assert choose(store.detect(), store) is SHARDED  # what the formats' table makes of what the store found there
     assert same(weights_of(target), old)
     # the next save puts the previous checkpoint back first, then replaces it
     atomic_folder.prepare_target(target)

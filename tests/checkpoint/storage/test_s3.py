@@ -117,7 +117,7 @@ def test_damaged_object_refused_nothing_changed(bucket: str, damage: str) -> Non
         fs.pipe_file(target, fs.cat_file(the_object(other)))
     fresh = nn.Linear(16, 8)
     before = fresh.state_dict()
-    with pytest.raises(storage.CommitRecordError, match=r"damaged\.pt"):
+    with pytest.raises(storage.CorruptCheckpointError, match=r"damaged\.pt"):  # (the disk's class for it)
         fabric.load(url, {"model": fresh})
     assert all(torch.equal(value, fresh.state_dict()[key]) for key, value in before.items())
 
@@ -250,7 +250,8 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
     """On the bucket: a 2-process FSDP job saves sharded (sync, then async), then a save in which rank 1's upload
     fails: every rank raises, the previous checkpoint loads with its exact values. Then 2 -> 2 processes, 2 -> 1
     (a plain module in this process) and 1 -> 2 (saved here without processes) load what was saved."""
-    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+    from fabric.checkpoint.formats import load_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
 
     out = tmp_path / "out"
     out.mkdir()
@@ -299,7 +300,7 @@ def test_two_process_fsdp_sharded_saves_sync_async_and_a_failed_one_then_loads_o
 def test_two_process_model_parallel_sharded_checkpoint_on_the_bucket(bucket: str, tmp_path) -> None:
     """ModelParallelStrategy (tensor parallel over 2 processes) saves its DCP shards to the bucket and loads them back;
     a plain module in this process loads them too (2 -> 1)."""
-    from fabric.checkpoint.formats.sharded import load_sharded
+    from fabric.checkpoint.formats import load_sharded
     from support.scripts.sharding.model import make_net
 
     out = tmp_path / "out"
@@ -418,7 +419,7 @@ def test_a_checkpoint_another_process_replaced_or_changed_after_this_one_read_it
         if how == "save":
             assert torch.equal(fabric.load(url)["model"]["w"], torch.full((64,), 2.0))
     state = {"model": {"w": torch.zeros(64)}}
-    with pytest.raises(storage.CommitRecordError, match=r"shared\.pt.*CRC-32"):
+    with pytest.raises(storage.CorruptCheckpointError, match=r"shared\.pt.*CRC-32"):
         fabric.load(url, state)
     assert torch.equal(state["model"]["w"], torch.zeros(64))
 

@@ -189,7 +189,7 @@ def test_a_sharded_save_cut_off_from_the_server_fails_within_the_bound_and_the_p
     assert failed["type"] in UNREACHABLE, failed  # as a single-file save's
     assert job.ended(60) - failed["at"] < SLACK
     assert [path.name for path in (tmp_path / "tmp").iterdir() if path.name.startswith(STAGING_PREFIX)] == []  # none left
-    from fabric.checkpoint.formats.sharded import load_sharded
+    from fabric.checkpoint.formats import load_sharded
 
     from_the_server(s3_process, monkeypatch)
     fresh = nn.Linear(4, 4)
@@ -283,7 +283,7 @@ def test_every_kind_of_call_to_a_paused_server_fails_within_the_bound(
         assert job.ended(30) - ending["at"] < SLACK
     finally:
         s3_process.resume()
-    from fabric.checkpoint.formats.sharded import load_sharded
+    from fabric.checkpoint.formats import load_sharded
 
     from_the_server(s3_process, monkeypatch)
     fresh = nn.Linear(4, 4)

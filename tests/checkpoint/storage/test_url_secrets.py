@@ -167,7 +167,8 @@ def test_save_and_load_of_a_file(secret_url: tuple[str, str], capsys: pytest.Cap
 
 
 def test_sharded_save_and_load(secret_url: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
-    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+    from fabric.checkpoint.formats import load_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
 
     folder, secret = secret_url
     url = f"{folder}/sharded"

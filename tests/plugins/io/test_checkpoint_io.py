@@ -590,3 +590,41 @@ def test_a_users_checkpoint_io_may_keep_each_checkpoint_in_a_folder(tmp_path):
     target = nn.Linear(2, 2)
     assert fabric.load(tmp_path / "ckpt", {"model": target}) == {"step": 4}
     assert torch.equal(target.weight, model.weight)
+
+
+def test_the_wing_asks_the_plugin_what_it_takes_not_what_type_it_is(tmp_path):
+    """``takes_store``: fabric's own plugin is handed the wing's Store; a subclass that overrides how checkpoints are
+    written gets the user's path (as from Lightning Fabric) and a sharded strategy refuses it, unless it says it takes
+    stores too, and then it gets the Store and the sharded strategy accepts it."""
+    from fabric.checkpoint.storage import Store
+    from fabric.plugins.io import CheckpointIO
+    from fabric.strategies import FSDPStrategy
+
+    class Recording(TorchCheckpointIO):
+        def __init__(self) -> None:
+            self.given: list[object] = []
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            self.given.append(path)
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+        def load_checkpoint(self, path, map_location=None, weights_only=None, **options):
+            self.given.append(path)
+            return super().load_checkpoint(path, map_location, weights_only, **options)
+
+    class TakesStores(Recording):
+        takes_store = True
+
+    assert TorchCheckpointIO.takes_store and not CheckpointIO.takes_store
+    assert not Recording.takes_store and TakesStores.takes_store
+    for plugin, expect_store in ((Recording(), False), (TakesStores(), True)):
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        path = tmp_path / f"{type(plugin).__name__}.pt"
+        fabric.save(path, {"step": 3})
+        assert fabric.load(path, {"step": 0}) == {}
+        assert [isinstance(given, Store) for given in plugin.given] == [expect_store, expect_store]
+        if not expect_store:
+            assert plugin.given == [path, path]
+    with pytest.raises(ValueError, match="the CheckpointIO plugin Recording cannot write"):
+        Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(), plugins=[Recording()])
+    Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(), plugins=[TakesStores()])  # accepted

@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from fabric.checkpoint.formats import load_sharded
 from fabric.checkpoint.formats.full import save_full
-from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.formats.sharded import save_sharded
 from fabric.checkpoint.layout import optimizer_numbered
 from fabric.utilities.group_lifetime import (
     bind_default_arguments_before_the_group_exists,

@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+from fabric.checkpoint.formats import load_sharded
+from fabric.checkpoint.formats.sharded import save_sharded
 from support.memory import peak_resident_bytes
 
 MODEL_BYTES = 4 * 2048 * 2048 * 4

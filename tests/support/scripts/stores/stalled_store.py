@@ -68,7 +68,8 @@ def loggers(url: str) -> list[Any]:
 
 
 def main(mode: str, url: str) -> None:
-    from fabric.checkpoint.formats.sharded import load_sharded, save_sharded
+    from fabric.checkpoint.formats import load_sharded
+    from fabric.checkpoint.formats.sharded import save_sharded
     from fabric.plugins.io import TorchCheckpointIO, atomic_save, safe_load
 
     if mode == "file":
