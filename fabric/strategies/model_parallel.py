@@ -26,10 +26,10 @@ from fabric.strategies.pipeline_stages import (
     PipelineError,
     PipelineModule,
     clip_grad_norm_over_stages,
+    divide_gradients,
     first_microbatch,
     forward_only_v_schedule,
     microbatch_count,
-    reduce_step_loss,
     schedule_class,
     stage_indices,
     stage_layout,
@@ -202,7 +202,8 @@ class ModelParallelStrategy(ShardedStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """Under a pipeline: the optimizer follows the model's split (this rank's stage parameters only)."""
+        """Under a pipeline: the optimizer follows the model's split (this rank's stage parameters only), and its
+        ``zero_grad()`` starts the count of microbatches whose gradients are summed again."""
         if self._pipelined:
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
             for pipeline in self._pipelines():
@@ -249,7 +250,9 @@ class ModelParallelStrategy(ShardedStrategy):
         def make_stage(module: Module, index: int) -> Any:
             return PipelineStage(module, index, stages, self.root_device, group=group)
 
-        pipeline.split(parallelized, indices, make_stage)
+        # the rank holding the last stage (whose losses every rank gets), by its global rank
+        holder = int(pipeline_mesh.mesh.reshape(-1)[0 if self._v_shaped else self._pipeline_size - 1])
+        pipeline.split(parallelized, indices, make_stage, stages, groups=(holder, group, self.device_mesh["data_parallel"].get_group()))
 
     # ---- pipeline parallelism: the step ---------------------------------------------------------------------------
 
@@ -267,14 +270,14 @@ class ModelParallelStrategy(ShardedStrategy):
         pipeline = module._forward_module if hasattr(module, "_forward_module") else module
         if not isinstance(pipeline, PipelineModule):
             raise TypeError(f"pipeline_step runs a model set up by fabric.setup(...) under {type(self).__name__}; got {type(module).__name__}")
+        inputs = self.precision.convert_input(tuple(inputs))  # as a set-up module's forward does (bf16-true, say)
         if not pipeline.is_split:
             self._split(pipeline, first_microbatch(inputs, microbatches))
         if backward or not self._v_shaped:
             schedule = pipeline.schedule(loss_fn, lambda stages: self._build_schedule(stages, loss_fn))
         else:  # torch's V-shaped schedules cannot evaluate
             schedule = pipeline.schedule((loss_fn, "eval"), lambda stages: forward_only_v_schedule(stages, self._microbatches, loss_fn))
-        stages = self._stages_per_rank * self._pipeline_size
-        first, last = 0 in pipeline.stage_indices, stages - 1 in pipeline.stage_indices
+        first, last = pipeline.runs_first_stage, pipeline.runs_last_stage
         losses: list[Tensor] = []
         arguments = tuple(inputs) if first else ()
         with self.precision.forward_context():
@@ -285,11 +288,7 @@ class ModelParallelStrategy(ShardedStrategy):
                     schedule.eval(*arguments, target=target if last else None, losses=losses if last else None)
         if backward:
             pipeline.note_microbatches(microbatches)
-        pipeline_mesh = self.device_mesh["pipeline_parallel"]
-        holder = int(pipeline_mesh.mesh.reshape(-1)[0 if self._v_shaped else self._pipeline_size - 1])
-        data_group = self.device_mesh["data_parallel"].get_group()
-        dtype = next((p.dtype for p in pipeline.parameters() if p.is_floating_point()), torch.get_default_dtype())
-        return reduce_step_loss(losses, holder, pipeline_mesh.get_group(), data_group, self.root_device, torch.promote_types(dtype, torch.float32))
+        return pipeline.step_loss(losses, self.root_device)
 
     def _build_schedule(self, stages: list[Any], loss_fn: Callable[[Any, Any], Tensor]) -> Any:
         from torch.distributed.pipelining.schedules import PipelineScheduleMulti
@@ -332,11 +331,7 @@ class ModelParallelStrategy(ShardedStrategy):
             pipeline.average_gradients()
         count, self._sequential_microbatches = self._sequential_microbatches, 0
         if count > 1:
-            with torch.no_grad():
-                for module in self._set_up_modules:
-                    for parameter in module.parameters():
-                        if parameter.grad is not None:
-                            parameter.grad.div_(count)
+            divide_gradients([p for module in self._set_up_modules for p in module.parameters()], count)
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "PipelineError",
     "PipelineModule",
     "clip_grad_norm_over_stages",
+    "divide_gradients",
     "schedule_class",
     "stage_layout",
 ]
@@ -138,6 +139,20 @@ class PipelineModule(Module):
         return self.__dict__["_stage_indices"]
 
     @property
+    def runs_first_stage(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def runs_last_stage(self) -> bool:
+        return self.__dict__.get("_stage_count", 0) - 1 in self.stage_indices
+
+    def step_loss(self, losses: list[Tensor], device: torch.device) -> Tensor:
+        """The step's loss on every rank (see :func:`reduce_step_loss`), in the parameters' dtype (at least float32)."""
+        holder, pipeline_group, data_group = self.__dict__["_loss_groups"]
+        dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        return reduce_step_loss(losses, holder, pipeline_group, data_group, device, torch.promote_types(dtype, torch.float32))
+
+    @property
     def stage_modules(self) -> list[Module]:
         """This rank's stages as the schedule runs them (a DDP wrapper, say)."""
         return self.__dict__["_stage_modules"]
@@ -154,7 +169,16 @@ class PipelineModule(Module):
         return any(id(p) in ids for p in self.parameters()) or not ids.isdisjoint(self.__dict__["_whole_names"])
 
     def follow(self, optimizer: Optimizer) -> None:
-        """Re-point ``optimizer`` at this rank's stage parameters when the model is split (now, if it is)."""
+        """Re-point ``optimizer`` at this rank's stage parameters when the model is split (now, if it is); its
+        ``zero_grad()`` starts the count of summed microbatches again (also one that keeps zeroed gradients)."""
+        clear = optimizer.zero_grad
+        counts = self.__dict__
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            clear(set_to_none=set_to_none)
+            counts["_accumulated"] = 0
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
         if self.is_split:
             _keep_stage_parameters(optimizer, self.__dict__["_whole_names"], dict(self.named_parameters(remove_duplicate=False)))
         else:
@@ -162,9 +186,25 @@ class PipelineModule(Module):
 
     # ---- the split ---------------------------------------------------------------------------------------------
 
-    def split(self, stage_modules: Sequence[Module], indices: Sequence[int], make_stage: Callable[[Module, int], Any]) -> None:
+    def split(
+        self, stage_modules: Sequence[Module], indices: Sequence[int], make_stage: Callable[[Module, int], Any], stages: int,
+        groups: tuple[int, Any, Any] | None = None,
+    ) -> None:
         """Keep ``stage_modules`` (this rank's, already parallelized) as the model; ``make_stage(module, index)``
-        builds torch's ``PipelineStage`` of each. Optimizers that follow the model keep this rank's parameters."""
+        builds torch's ``PipelineStage`` of each; ``stages``: how many the whole pipeline has. Optimizers that follow
+        the model keep this rank's parameters. ``groups``: (the global rank holding the last stage, the pipeline's
+        process group, the data-parallel one), for the step's loss."""
+        whole = self.whole_model_keys
+        for index, stage in zip(indices, stage_modules):
+            names = (stage.module if isinstance(stage, DistributedDataParallel) else stage).state_dict().keys()
+            foreign = sorted(set(names) - whole)
+            if foreign:
+                raise PipelineError(
+                    f"stage {index} of the split names its tensors {foreign[:3]}, which are not names of the whole model"
+                    f" (such as {sorted(whole)[:3]}): a stage must keep the whole model's names, so that optimizers and"
+                    " checkpoints find its tensors under one name in any layout. A split function can deep-copy the"
+                    " model and delete (or set to None) the modules the stage does not run"
+                )
         for store in (self._modules, self._parameters, self._buffers):
             store.clear()
         self._non_persistent_buffers_set.clear()
@@ -176,6 +216,8 @@ class PipelineModule(Module):
         self.__dict__["_optimizers"] = []
         self.__dict__["_stage_modules"] = list(stage_modules)
         self.__dict__["_stage_indices"] = list(indices)
+        self.__dict__["_stage_count"] = stages
+        self.__dict__["_loss_groups"] = groups
         self.__dict__["_stages"] = [make_stage(module, index) for module, index in zip(stage_modules, indices)]
         self.__dict__["_whole"] = None  # the other stages' parameters go with it
 
@@ -203,11 +245,20 @@ class PipelineModule(Module):
         """Divide the summed gradients by the microbatches they came from (once, before a clip or a step)."""
         count = self.__dict__["_accumulated"]
         if count > 1:
-            with torch.no_grad():
-                for parameter in self.parameters():
-                    if parameter.grad is not None:
-                        parameter.grad.div_(count)
+            divide_gradients(self.parameters(), count)
         self.__dict__["_accumulated"] = 0
+
+
+def divide_gradients(parameters: Any, count: int) -> None:
+    """Divide every gradient among ``parameters`` by ``count`` (one foreach call per kind of tensor)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    plain = [grad for grad in grads if not isinstance(grad, DTensor)]
+    with torch.no_grad():
+        if plain:
+            torch._foreach_div_(plain, count)
+        for grad in grads:
+            if isinstance(grad, DTensor):
+                grad.div_(count)
 
 
 def _adopt(into: Module, part: Module) -> None:

@@ -125,13 +125,38 @@ def test_the_pipeline_module_keeps_the_whole_models_names_before_and_after_the_s
     second.layers.add_module("3", model.layers[3])
     second.scale = model.scale
     before = [dict(stage.named_parameters()) for stage in (first, second)]
-    pipeline.split([first, second], [0, 2], lambda module, index: (module, index))
+    pipeline.split([first, second], [0, 2], lambda module, index: (module, index), 4)
     assert sorted(pipeline.state_dict()) == sorted(k for k in model.state_dict() if not k.startswith("layers.2."))
     assert [dict(stage.named_parameters()) for stage in (first, second)] == before  # the stages themselves unchanged
     kept = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert kept == {id(p) for p in pipeline.parameters()} and id(model.layers[2].weight) not in kept
     assert set(optimizer.state) == set(pipeline.parameters())  # the momentum of the kept parameters stays
     assert pipeline.whole_model is None and pipeline.whole_model_keys == frozenset(model.state_dict())
+
+
+def test_a_stage_that_does_not_keep_the_whole_models_names_is_refused_naming_the_rule() -> None:
+    model = _Net()
+    renamed = nn.Module()
+    renamed.first = model.layers[0]  # `first.weight`: the whole model calls it `layers.0.weight`
+    with pytest.raises(PipelineError, match=r"stage 1 of the split names its tensors \['first.bias', 'first.weight'\], which are"
+                       r" not names of the whole model .* A split function can deep-copy the model"):
+        PipelineModule(model).split([renamed], [1], lambda module, index: None, 2)
+
+
+def test_zero_grad_starts_the_count_of_summed_microbatches_again() -> None:
+    model = _Net()
+    pipeline = PipelineModule(model)
+    optimizer = torch.optim.SGD(pipeline.parameters(), lr=0.1)
+    pipeline.follow(optimizer)
+    for parameter in model.parameters():
+        parameter.grad = torch.full_like(parameter, 6.0)
+    pipeline.note_microbatches(4)
+    optimizer.zero_grad(set_to_none=False)  # zeroed, not None: the count must start again all the same
+    for parameter in model.parameters():
+        parameter.grad += 6.0
+    pipeline.note_microbatches(3)
+    pipeline.average_gradients()
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in model.parameters())
 
 
 def test_an_optimizer_over_a_parameter_of_another_model_cannot_follow_the_split() -> None:
@@ -197,6 +222,15 @@ def test_a_pipeline_equals_one_process_running_the_same_microbatches(tmp_path: P
     run([sys.executable, str(JOB), str(tmp_path), *arguments, "--pp", "0"], timeout=120, env=clean_env())
     run(fabric_run("--devices", processes, JOB, tmp_path, *arguments), timeout=200, env=clean_env(OMP_NUM_THREADS="1"))
     compare_with_reference(tmp_path, float64="float64" in arguments)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_a_true_precision_converts_the_inputs_as_a_forward_does(tmp_path: Path) -> None:
+    run(fabric_run("--devices", 2, "--precision", "bf16-true", JOB, tmp_path, "--pp", "2", "--steps", "2"), timeout=100,
+        env=clean_env(OMP_NUM_THREADS="1"))
+    _, _, losses, _ = _ranks(tmp_path)
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
 
 
 @pytest.mark.procs
