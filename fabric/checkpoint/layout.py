@@ -107,8 +107,15 @@ def as_one_module(modules: Iterable[Module]) -> Module:
     tensor copied. For naming an optimizer's parameters; ValueError where two of them name different parameters alike."""
     root = _Joined()
     for module in modules:
-        _join(root, _unwrapped(module), "")
+        join_into(root, module)
     return root
+
+
+def join_into(into: Module, module: Module) -> None:
+    """Register ``module``'s parameters, buffers and children on ``into`` under the names ``module`` gives them (DDP's
+    and ``torch.compile``'s wrappers left out), changing neither: where ``into`` already holds another child of one
+    name, a plain module holds both. ValueError where the two name different tensors alike."""
+    _join(into, _unwrapped(module), "")
 
 
 def _unwrapped(module: Module) -> Module:
@@ -132,6 +139,12 @@ def _join(into: Module, module: Module, prefix: str) -> None:
             into.register_parameter(name, param)
         elif held is not param:
             raise ValueError(f"two of its modules name different parameters {prefix + name!r}")
+    for name, buffer in module.named_buffers(recurse=False):
+        kept = into._buffers.get(name)
+        if kept is None:
+            into.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+        elif kept is not buffer:
+            raise ValueError(f"two of its modules name different buffers {prefix + name!r}")
     for name, child in module.named_children():
         existing = into._modules.get(name)
         if existing is None:
@@ -142,6 +155,46 @@ def _join(into: Module, module: Module, prefix: str) -> None:
                 _join(joined, existing, f"{prefix}{name}.")
                 into._modules[name] = existing = joined
             _join(existing, child, f"{prefix}{name}.")
+
+
+def whole_model_keys(module: Module) -> frozenset[str] | None:
+    """The state-dict keys of the whole model ``module`` holds a part of (this rank's pipeline stages declare them as
+    ``whole_model_keys``), or None for a module that is a model of its own. A checkpoint of such a part holds the whole
+    model, written by every rank its part: the keys are checked against the whole model's, the tensors against the
+    part's, and a load takes the part's."""
+    keys = getattr(module, "whole_model_keys", None)
+    return keys if isinstance(keys, frozenset) else None
+
+
+def optimizer_part(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a name-keyed optimizer state ``saved`` (of a whole model) for the parameters ``current`` names
+    (this rank's part of it): its state, and each group's parameters in the saved order."""
+    names = {name for group in current["param_groups"] for name in group["params"]}
+    return {
+        **saved,
+        "state": {name: value for name, value in saved.get("state", {}).items() if name in names},
+        "param_groups": [{**group, "params": [name for name in group["params"] if name in names]} for group in saved.get("param_groups", [])],
+    }
+
+
+def merge_parts(parts: list[tuple[dict[str, Any], dict[str, Path_]]], kinds: dict[str, str]) -> tuple[dict[str, Any], dict[str, Path_]]:
+    """One (skeleton, paths) from every rank's (each its part of the modules and optimizers: pipeline stages), in rank
+    order: each module's names, each optimizer's state and group parameters, every tensor's path; the rest rank 0's."""
+    skeleton: dict[str, Any] = {}
+    paths: dict[str, Path_] = {}
+    for part_skeleton, part_paths in parts:
+        paths.update(part_paths)
+        for key, entry in part_skeleton.items():
+            held = skeleton.get(key)
+            if held is None or kinds.get(key) == OTHER:
+                skeleton.setdefault(key, entry)
+            elif kinds[key] == MODULE:
+                held.update(entry)
+            else:  # an optimizer: its states by name, and each group's parameters (the groups alike on every rank)
+                held.setdefault("state", {}).update(entry.get("state", {}))
+                for group, more in zip(held.get("param_groups", []), entry.get("param_groups", [])):
+                    group["params"] = list(dict.fromkeys([*group["params"], *more["params"]]))
+    return skeleton, paths
 
 
 class DistributedStateDicts:

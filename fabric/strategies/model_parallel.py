@@ -100,8 +100,15 @@ class ModelParallelStrategy(ShardedStrategy):
         self._pipeline_size = _positive_int("pipeline_parallel_size", pipeline_parallel_size)
         self._schedule_class = schedule_class(pipeline_schedule)
         self._pipeline_split = _checked_split(pipeline_split, self._pipeline_size)
-        names = None if self._pipeline_split is None or callable(self._pipeline_split) else len(self._pipeline_split)
+        # without a pipeline the split is not used (a script may keep it for another layout)
+        names = None if self._pipeline_split is None or callable(self._pipeline_split) or not self._pipelined else len(self._pipeline_split)
         self._stages_per_rank, self._v_shaped = stage_layout(self._schedule_class, self._pipeline_size, names)
+        if self._pipelined and not save_distributed_checkpoint:
+            raise ValueError(
+                f"save_distributed_checkpoint=False cannot be used with pipeline_parallel_size={self._pipeline_size}: no"
+                " rank holds the whole model to write one file; save the sharded checkpoint (every rank its stages) and"
+                " make one file of it with `fabric-torch consolidate CHECKPOINT FILE`"
+            )
         self._microbatches = (
             self._stages_per_rank * self._pipeline_size if microbatches is None else _positive_int("microbatches", microbatches)
         )

@@ -34,6 +34,8 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from fabric.checkpoint.layout import join_into
+
 __all__ = [
     "SCHEDULES",
     "PipelineError",
@@ -209,7 +211,7 @@ class PipelineModule(Module):
             store.clear()
         self._non_persistent_buffers_set.clear()
         for stage in stage_modules:
-            _adopt(self, stage.module if isinstance(stage, DistributedDataParallel) else stage)
+            _adopt(self, stage)
         after = dict(self.named_parameters(remove_duplicate=False))
         for optimizer in self.__dict__["_optimizers"]:
             _keep_stage_parameters(optimizer, self.__dict__["_whole_names"], after)
@@ -262,44 +264,13 @@ def divide_gradients(parameters: Any, count: int) -> None:
 
 
 def _adopt(into: Module, part: Module) -> None:
-    """Register ``part``'s parameters, buffers and children on ``into`` under the same names, without changing ``part``:
-    where ``into`` already has a different child of the same name (two stages' halves of ``layers``), both are put
-    under a new plain module."""
-    for name, parameter in part._parameters.items():
-        if parameter is not None and _is_new(into._parameters, name, parameter):
-            into.register_parameter(name, parameter)
-    for name, buffer in part._buffers.items():
-        if buffer is not None and _is_new(into._buffers, name, buffer):
-            into.register_buffer(name, buffer, persistent=name not in part._non_persistent_buffers_set)
-    for name, child in part._modules.items():
-        if child is None:
-            continue
-        existing = into._modules.get(name)
-        if existing is None:
-            into.add_module(name, child)
-        elif existing is not child:
-            merged = existing if type(existing) is _Merged else _Merged.of(existing)
-            _adopt(merged, child)
-            into._modules[name] = merged
-
-
-def _is_new(store: dict[str, Any], name: str, value: Tensor) -> bool:
-    held = store.get(name)
-    if held is None:
-        return True
-    if held is not value:
-        raise PipelineError(f"two pipeline stages of this rank hold different tensors named {name!r}; a split must give each tensor to one stage")
-    return False
-
-
-class _Merged(Module):
-    """Children of one name taken from several stages (``layers`` of two stages), for their names only."""
-
-    @classmethod
-    def of(cls, module: Module) -> _Merged:
-        merged = cls()
-        _adopt(merged, module)
-        return merged
+    """``part``'s parameters, buffers and children on ``into`` under the same names, changing neither (a plain module
+    holds two stages' halves of one child, ``layers`` say)."""
+    try:
+        join_into(into, part)
+    except ValueError as err:
+        raise PipelineError(f"two pipeline stages of this rank name different tensors alike ({err}); a split must give each"
+                            " tensor to one stage") from None
 
 
 def _keep_stage_parameters(optimizer: Optimizer, names: dict[int, str], after: Mapping[str, Tensor]) -> None:

@@ -246,3 +246,91 @@ def test_a_stage_rank_killed_mid_schedule_ends_the_job_within_seconds_naming_it(
     assert result.returncode == 128 + 9 or result.returncode == -9 or result.returncode == 137, result.stderr[-3000:]
     assert "rank 1 was killed by SIGKILL" in result.stderr, result.stderr[-3000:]
     assert took < 40, took
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+
+
+def _run_in(processes: int | str, out: Path, *arguments: str) -> None:
+    if processes == "plain":  # one process, a plain Fabric
+        run([sys.executable, str(JOB), str(out), *arguments, "--pp", "-1"], timeout=150, env=clean_env(OMP_NUM_THREADS="1"))
+    else:
+        run(fabric_run("--devices", processes, JOB, out, *arguments), timeout=200, env=clean_env(OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("saving", "loading", "data_parallel"),
+    [
+        pytest.param((2, ["--pp", "2"]), (4, ["--pp", "4"]), 1, id="pp2-into-pp4"),
+        pytest.param((2, ["--pp", "2"]), (4, ["--pp", "4", "--split-first"]), 1, id="pp2-into-pp4-split-stages"),
+        pytest.param((4, ["--pp", "2", "--dp", "2", "--shard", "fsdp"]), ("plain", ["--dp", "2"]), 2, id="pp2xdp2-into-one-process"),
+        pytest.param((2, ["--pp", "1", "--dp", "2", "--shard", "fsdp"]), (4, ["--pp", "2", "--dp", "2", "--shard", "fsdp"]), 2,
+                     id="pp1-into-pp2xdp2"),
+    ],
+)
+def test_a_checkpoint_of_one_layout_goes_on_exactly_in_another(tmp_path: Path, saving, loading, data_parallel: int) -> None:
+    """Two steps in one layout, saved (AdamW: its moments go along); two more in another, loaded before its first step
+    (into the whole model, which the split then cuts) or after the split (``--split-first``: each rank loads its part).
+    The four steps equal one process running the same microbatches."""
+    checkpoint = tmp_path / "checkpoint"
+    _run_in(saving[0], tmp_path / "first", *saving[1], "--optimizer", "adamw", "--steps", "2", "--save", str(checkpoint))
+    _run_in(loading[0], tmp_path / "then", *loading[1], "--optimizer", "adamw", "--steps", "2", "--first-step", "2", "--load", str(checkpoint))
+    run([sys.executable, str(JOB), str(tmp_path / "then"), "--dp", str(data_parallel), "--optimizer", "adamw", "--steps", "4", "--pp", "0"],
+        timeout=120, env=clean_env())
+    reference = torch.load(tmp_path / "then" / "reference.pt")
+    params, state = {}, {}
+    for path in glob.glob(str(tmp_path / "then" / "*.pt")):
+        if not path.endswith("reference.pt"):
+            result = torch.load(path, weights_only=False)
+            params.update(result["params"])
+            state.update(result["state"])
+    assert set(params) == set(reference["params"]) and set(state) == set(reference["state"])
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-5, msg=name)
+    for name, values in reference["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[name][key], values[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_a_run_resumed_mid_epoch_on_the_same_layout_is_the_uninterrupted_run_and_consolidates(tmp_path: Path) -> None:
+    """pp=2 x dp=2 (FSDP2) with a shuffled set-up loader: 3 steps, saved, 3 more after a resume, equal to 6 steps in one
+    go, bit for bit; `fabric-torch consolidate` makes one file of the whole model from the pipeline's checkpoint."""
+    layout = ["--pp", "2", "--dp", "2", "--shard", "fsdp", "--optimizer", "adamw", "--loader"]
+    checkpoint = tmp_path / "checkpoint"
+    _run_in(4, tmp_path / "whole", *layout, "--steps", "6")
+    _run_in(4, tmp_path / "first", *layout, "--steps", "3", "--save", str(checkpoint))
+    _run_in(4, tmp_path / "resumed", *layout, "--steps", "3", "--load", str(checkpoint))
+    whole, _, losses, _ = _ranks(tmp_path / "whole")
+    resumed, _, resumed_losses, _ = _ranks(tmp_path / "resumed")
+    assert losses == _ranks(tmp_path / "first")[2] + resumed_losses
+    assert set(whole) == set(resumed) and all(torch.equal(whole[name], resumed[name]) for name in whole)
+    run([sys.executable, "-m", "fabric", "consolidate", str(checkpoint), str(tmp_path / "one.pt")], timeout=100, env=clean_env())
+    consolidated = torch.load(tmp_path / "one.pt", weights_only=True)
+    saved = _ranks(tmp_path / "first")[0]
+    assert set(consolidated["model"]) == set(saved)
+    assert all(torch.equal(consolidated["model"][name], saved[name]) for name in saved)
+    assert len(consolidated["optimizer"]["state"]) == len(saved)  # every stage's moments
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(200)
+def test_a_checkpoint_of_another_model_is_refused_on_every_stage_naming_the_keys(tmp_path: Path) -> None:
+    """A checkpoint of 8 hidden layers into 10, on 2 stages: the keys are the whole model's on every rank, so each
+    rank (also the one whose stage has no new layer) refuses it, naming them, before anything changes."""
+    checkpoint = tmp_path / "checkpoint"
+    _run_in(2, tmp_path / "first", "--pp", "2", "--steps", "1", "--save", str(checkpoint))
+    result = run(fabric_run("--devices", 2, JOB, tmp_path / "then", "--pp", "2", "--layers", "10", "--split-first", "--load", checkpoint),
+                 timeout=150, env=clean_env(OMP_NUM_THREADS="1"), check=False)
+    assert result.returncode != 0
+    assert "rank 0, 1 raised CheckpointMismatchError" in result.stderr, result.stderr[-3000:]
+    assert "missing keys ['layers.8.bias', 'layers.8.weight', 'layers.9.bias', 'layers.9.weight']" in result.stderr, result.stderr[-3000:]
+
+
+def test_one_file_of_a_pipeline_is_refused_naming_consolidate() -> None:
+    with pytest.raises(ValueError, match=r"save_distributed_checkpoint=False cannot be used with pipeline_parallel_size=2.*"
+                       "fabric-torch consolidate"):
+        ModelParallelStrategy(_parallelize, save_distributed_checkpoint=False, pipeline_parallel_size=2, pipeline_split=["x"])

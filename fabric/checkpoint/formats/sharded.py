@@ -55,11 +55,14 @@ from fabric.checkpoint.layout import (
     fill,
     keep_saved_group_options,
     kind_of,
+    merge_parts,
     module_in_state,
     optimizer_numbered,
+    optimizer_part,
     parameters_and_buffers,
     plain_copy,
     split_tensors,
+    whole_model_keys,
 )
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
@@ -134,6 +137,11 @@ def save_sharded(
     entries = collect_states(DistributedStateDicts(state, StateDictOptions()), state, filter)
     kinds = {key: kind_of(obj) for key, obj in state.items()}
     skeleton, tensors, paths = split_tensors(entries, kinds)
+    if any(whole_model_keys(obj) is not None for obj in state.values() if isinstance(obj, Module)):
+        # each rank holds its part of the model (pipeline stages): rank 0's record of the save is every rank's
+        parts = gather_in_group((skeleton, paths))
+        if parts is not None:
+            skeleton, paths = merge_parts(parts, kinds)
     objects = {"format": FORMAT, "version": VERSION, "kinds": kinds, "skeleton": skeleton, "tensors": paths}
     # rank 0 cleans up after crashed saves and names this save; every rank gets the name
     ticket = on_rank_zero(
@@ -251,6 +259,7 @@ class ShardedFolder:
         self._opened: tuple[Path, dict[str, Any], Any] | None = None
         self._targets: dict[str, dict[str, Tensor]] = {}
         self._had_no_state: list[Optimizer] = []  # optimizers that torch's state-dict API fills while checking
+        self._parts: dict[str, dict[str, Any]] = {}  # optimizers of a part of a model: their part of the saved state
 
     def _open(self) -> tuple[Path, dict[str, Any], Any]:
         if self._opened is None:
@@ -341,9 +350,16 @@ class ShardedFolder:
                 saved_shapes: dict[str, Any] = dict.fromkeys(skeleton[key])
                 for flat, path in own.items():
                     saved_shapes[path[1]] = tuple(index.state_dict_metadata[flat].size)
-                check_module_fits(f"the model in state[{key!r}]", current, saved_shapes, strict)
+                what, whole = f"the model in state[{key!r}]", whole_model_keys(obj)
+                if whole is not None:  # a part of a model (pipeline stages): its keys are the whole model's
+                    check_module_fits(what, dict.fromkeys(sorted(whole)), saved_shapes, strict)
+                    saved_shapes = {name: shape for name, shape in saved_shapes.items() if name in current}
+                check_module_fits(what, current, saved_shapes, strict)
             else:
-                check_optimizer_fits(key, skeleton[key], current)
+                saved = skeleton[key]
+                if whole_model_keys(module_in_state(obj, self._state, key, CheckpointMismatchError)) is not None:
+                    saved = self._parts[key] = optimizer_part(saved, current)
+                check_optimizer_fits(key, saved, current)
             _, current_tensors, current_paths = split_tensors({key: current}, {key: kind})
             targets = {path: current_tensors[flat] for flat, path in current_paths.items()}
             into = {flat: targets[path] for flat, path in own.items() if path in targets}
@@ -393,6 +409,8 @@ class ShardedFolder:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         module = module_in_state(optimizer, self._state, key, CheckpointMismatchError)
+        if key in self._parts:
+            value = optimizer_part(value, self._parts[key])
         set_optimizer_state_dict(module, optimizer, value, options=StateDictOptions())
         keep_saved_group_options(optimizer, value)
 

@@ -1,5 +1,5 @@
 """A pipeline-parallel training job (``ModelParallelStrategy(pipeline_parallel_size=...)``), or the same steps in one
-process (``--pp 0``: no Fabric at all, the reference).
+process (``--pp 0``: no Fabric at all, the reference; ``--pp -1``: a plain one-process Fabric, written to ``OUT/plain.pt``).
 
 The model (``Net``: an input layer, 8 hidden layers, a head) and the batches are the same on every run (seeded); each
 data-parallel rank takes its slice of a batch. Every step is ``fabric.pipeline_step`` (``--accumulate K``: K of them
@@ -10,8 +10,9 @@ tensor}, "losses": [the loss of each step], "state": {full name: optimizer state
 Options: ``--schedule``, ``--pp``, ``--dp``, ``--tp``, ``--shard fsdp|ddp|none`` (what parallelize_fn does over
 the data-parallel ranks), ``--microbatches``, ``--steps``, ``--dtype float32|float64``, ``--optimizer sgd|adamw``,
 ``--clip C``, ``--eval`` (one evaluation step at the end, its loss kept as ``eval_loss``), ``--split names|function``,
-``--save PATH`` (after the last step), ``--load PATH`` (before the first), ``--die-rank R --die-at N`` (SIGKILL of
-rank R in step N).
+``--save PATH`` (after the last step), ``--load PATH`` (before the first; ``--split-first``: after an evaluation step
+split the model), ``--loader`` (batches from a set-up, shuffled DataLoader, saved and loaded with the rest),
+``--die-rank R --die-at N`` (SIGKILL of rank R in step N).
 """
 
 import argparse
@@ -41,11 +42,14 @@ parser.add_argument("--split", default="names", choices=["names", "function"])
 parser.add_argument("--save", type=Path, default=None)
 parser.add_argument("--load", type=Path, default=None)
 parser.add_argument("--first-step", type=int, default=0, help="the index of the first batch (a resumed run)")
+parser.add_argument("--split-first", action="store_true", help="split the model (an evaluation step) before --load")
+parser.add_argument("--layers", type=int, default=8, help="hidden layers of the model")
+parser.add_argument("--loader", action="store_true", help="batches from a set-up DataLoader, saved and loaded with the rest")
 parser.add_argument("--die-rank", type=int, default=-1)
 parser.add_argument("--die-at", type=int, default=-1)
 args = parser.parse_args()
 dtype = getattr(torch, args.dtype)
-LAYERS = 8
+LAYERS = args.layers
 
 
 class Net(nn.Module):
@@ -88,9 +92,18 @@ def whole(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-if args.pp == 0:  # the reference: the same microbatches, one process, plain torch
+if args.pp in (0, -1):  # the same microbatches in one process: plain torch (the reference), or a plain Fabric (-1)
     model = make_model()
     optimizer = make_optimizer(model.parameters())
+    backward = lambda loss: loss.backward()  # noqa: E731
+    if args.pp == -1:
+        from fabric import Fabric
+
+        fabric = Fabric(accelerator="cpu", devices=1)
+        model, optimizer = fabric.setup(model, optimizer)
+        backward = fabric.backward
+        if args.load is not None:
+            fabric.load(args.load, {"model": model, "optimizer": optimizer})
     losses = []
     steps = list(zip(*[iter(batches(args.steps * args.accumulate, args.first_step * args.accumulate))] * args.accumulate))
     for group in steps:
@@ -99,13 +112,14 @@ if args.pp == 0:  # the reference: the same microbatches, one process, plain tor
             step_losses = []
             for x, y in zip(inputs.tensor_split(args.microbatches * args.dp), target.tensor_split(args.microbatches * args.dp)):
                 loss = loss_fn(model(x), y)
-                (loss / (args.microbatches * args.dp * args.accumulate)).backward()
+                backward(loss / (args.microbatches * args.dp * args.accumulate))
                 step_losses.append(loss.detach())
             losses.append(torch.stack(step_losses).mean().item())
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
-    names = {id(p): n for n, p in model.named_parameters()}
+    plain = model.module if hasattr(model, "module") else model
+    names = {id(p): n for n, p in plain.named_parameters()}
     state = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
     result = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses, "state": state}
     if args.eval:
@@ -114,7 +128,7 @@ if args.pp == 0:  # the reference: the same microbatches, one process, plain tor
             chunks = zip(inputs.tensor_split(args.microbatches * args.dp), target.tensor_split(args.microbatches * args.dp))
             result["eval_loss"] = torch.stack([loss_fn(model(x), y) for x, y in chunks]).mean().item()
     args.out.mkdir(parents=True, exist_ok=True)
-    torch.save(result, args.out / "reference.pt")
+    torch.save(result, args.out / ("reference.pt" if args.pp == 0 else "plain.pt"))
     raise SystemExit(0)
 
 from fabric import Fabric  # noqa: E402
@@ -169,12 +183,23 @@ fabric = Fabric(accelerator="cpu", devices=args.pp * args.dp * args.tp, strategy
 fabric.launch()
 model = fabric.setup_module(make_model())
 optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
-if args.load is not None:
-    fabric.load(args.load, {"model": model, "optimizer": optimizer})
 data_rank = strategy.device_mesh["data_parallel"].get_local_rank()
+if args.split_first:  # the stages exist before the load: it loads this rank's part
+    inputs, target = batches(1, 999)[0]
+    share = args.batch // args.dp
+    fabric.pipeline_step(model, inputs[data_rank * share:(data_rank + 1) * share], target=target[data_rank * share:(data_rank + 1) * share],
+                         loss_fn=loss_fn, backward=False)
+state = {"model": model, "optimizer": optimizer}
+if args.loader:  # one epoch of 12 batches per data-parallel rank, shuffled: a resume continues mid-epoch
+    everything = batches(12 * args.dp)
+    dataset = torch.utils.data.TensorDataset(torch.cat([x for x, _ in everything]), torch.cat([y for _, y in everything]))
+    state["loader"] = fabric.setup_dataloaders(torch.utils.data.DataLoader(dataset, batch_size=args.batch // args.dp, shuffle=True))
+if args.load is not None:
+    fabric.load(args.load, state)
 losses = []
 step_index = 0
 steps = list(zip(*[iter(batches(args.steps * args.accumulate, args.first_step * args.accumulate))] * args.accumulate))
+drawn = iter(state["loader"]) if args.loader else None
 for group in steps:
     optimizer.zero_grad()
     for inputs, target in group:
@@ -182,6 +207,8 @@ for group in steps:
             os.kill(os.getpid(), signal.SIGKILL)
         share = args.batch // args.dp
         x, y = inputs[data_rank * share:(data_rank + 1) * share], target[data_rank * share:(data_rank + 1) * share]
+        if drawn is not None:
+            x, y = next(drawn)
         losses.append(fabric.pipeline_step(model, x, target=y, loss_fn=loss_fn).item())
         step_index += 1
     if args.clip:
@@ -194,7 +221,7 @@ if args.eval:
     result["eval_loss"] = fabric.pipeline_step(model, inputs[data_rank * share:(data_rank + 1) * share],
                                                target=target[data_rank * share:(data_rank + 1) * share], loss_fn=loss_fn, backward=False).item()
 if args.save is not None:
-    fabric.save(args.save, {"model": model, "optimizer": optimizer})
+    fabric.save(args.save, state)
 names = {id(p): n for n, p in model.module.named_parameters()}
 result["params"] = {name: whole(value).detach().clone() for name, value in model.state_dict().items()}
 result["state"] = {names[id(p)]: {k: whole(v).clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in optimizer.state.items()}
