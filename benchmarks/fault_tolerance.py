@@ -48,8 +48,9 @@ in force are printed.
 Prints a table and, last, one JSON line with every number. Linux only (``/proc``). Every process is time-bounded,
 ends if this script ends (however it ends), and is killed at the end if still alive (the lighthouse gets SIGTERM
 first). Each run starts fresh processes (2-4 s of ``import torch`` and set-up, not timed), so the benchmark takes
-minutes: 8.5 on a busy 2-core machine, where most pairs were set aside and replaced (``--quick``, fewer steps per
-run: 4.5). A foreign load a little below zero is the rounding of CPU times to clock ticks.
+minutes: on a busy 2-core machine (load 2-9), where most pairs were set aside and replaced, 8.5-9 (``--quick``, fewer
+steps per run: 4.5-13); ``--quick`` took about 2 on a quiet one. A foreign load a little below zero is the rounding
+of CPU times to clock ticks.
 """
 
 from __future__ import annotations
