@@ -217,6 +217,7 @@ class ReplicaGroups:
         self._optimizers: list[Optimizer] = []
         self._watch: StepWatch | None = None
         self._quorum_open = False  # a quorum was started for the step under way
+        self._positions_sent: tuple[Any, torch.Tensor] | None = None  # (the all-reduce under way, its tensor)
         self._decision: bool | None = None  # the step's commit decision, once taken
 
     def _check_timeouts(self) -> None:
@@ -389,6 +390,7 @@ class ReplicaGroups:
         self._quorum_open = True
         self._decision = None
         with self._waiting_on_others():
+            self._take_positions()  # the last step's, before a healing peer is sent them
             self.manager.start_quorum(timeout=self._quorum_timeout)
 
     def optimizer_step(self, optimizer: Optimizer, **kwargs: Any) -> Any:
@@ -397,7 +399,7 @@ class ReplicaGroups:
             self.start_step()  # a step whose forward did not run through a set-up module
             with self._waiting_on_others():
                 self._average_across_groups()
-                self._share_positions()
+                self._send_positions()  # under way while the commit is asked and until the next step starts
                 self._decision = bool(self.manager.should_commit(timeout=self._replica_timeout))
             self._quorum_open = False
             if self._watch is not None:
@@ -418,16 +420,25 @@ class ReplicaGroups:
     def _average_across_groups(self) -> None:
         """Average the gradients over the quorum's groups, if backward did not (a comm hook does it in DDP)."""
 
-    def _share_positions(self) -> None:
+    def _send_positions(self) -> None:
+        """Start the all-reduce of every group's data positions after this step's batches (a sum over the quorum's
+        groups): it goes on while the commit is asked for and the next step begins, which waits for it."""
         positions = self._positions
         if positions is None or not positions.loaders:
             return
-        manager = self.manager
         # on the rank's device: the process group across groups is NCCL's on GPUs, which serves nothing else
         summed = positions.contribution().to(self.root_device)  # type: ignore[attr-defined]
-        manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
-        if manager.errored() is None:
-            positions.take(summed.cpu())
+        self._positions_sent = (self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM), summed)
+
+    def _take_positions(self) -> None:
+        """Wait for the positions sent at the last step and keep what the quorum's groups said (not if it failed)."""
+        sent, self._positions_sent = self._positions_sent, None
+        if sent is None or self._manager is None:
+            return
+        work, summed = sent
+        work.wait()
+        if self._manager.errored() is None and self._positions is not None:
+            self._positions.take(summed.cpu())
 
     # ---- checkpoints -------------------------------------------------------------------------------------
 
@@ -437,6 +448,7 @@ class ReplicaGroups:
         """As the strategy's, with the committed step count and every group's data position under ``"ddp_ft"``."""
         state = {**state, CHECKPOINT_KEY: _ReplicaGroupState(self)}
         with self._waiting_on_others():  # storage has bounds of its own
+            self._take_positions()
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter, async_save=async_save)  # type: ignore[misc]
 
     def load_checkpoint(
