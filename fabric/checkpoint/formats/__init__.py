@@ -64,7 +64,7 @@ def choose(found: Found, store: Store, host: CheckpointHost | None = None) -> Fo
             if candidate.claims(found):
                 return candidate
     single = for_saving("file" if host is not None and host.checkpoint_format == "file" else "full")  # (what a file is to them)
-    if found.kind != "folder" or (single.name == "file" and host is not None and not takes_store(host.checkpoint_io)):
+    if single.claims(found) or (single.name == "file" and host is not None and not takes_store(host.checkpoint_io)):
         return single
     raise _incomplete_folder(store)
 

@@ -66,7 +66,7 @@ from fabric.checkpoint.layout import (
 )
 from fabric.checkpoint.restore import restore
 from fabric.checkpoint.state import collect_states
-from fabric.checkpoint.storage import Fetch, Found, ShardedRead, Store, locate
+from fabric.checkpoint.storage import Fetch, Found, ShardedRead, ShardedSave, Store, locate
 from fabric.checkpoint.storage.disk import out_of_space
 
 FORMAT = "fabric-sharded-checkpoint"
@@ -207,7 +207,7 @@ def _write(store: Store, ticket: str, tensors: dict[str, Tensor], objects: dict[
         save.close()
 
 
-def _part(save: Any, writer: Any, rank: int) -> dict[str, Any]:
+def _part(save: ShardedSave, writer: Any, rank: int) -> dict[str, Any]:
     """This rank's part of the commit: what the store made of its files, and each of its data files' size and records
     digest (``data_files``, read from the copy this rank wrote), or the error it met."""
     part = save.part(writer, rank)
