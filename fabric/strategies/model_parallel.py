@@ -25,7 +25,6 @@ from typing_extensions import override
 from fabric.strategies.pipeline_stages import (
     PipelineError,
     PipelineModule,
-    clip_grad_norm_over_stages,
     divide_gradients,
     first_microbatch,
     forward_only_v_schedule,
@@ -34,7 +33,13 @@ from fabric.strategies.pipeline_stages import (
     stage_indices,
     stage_layout,
 )
-from fabric.strategies.sharding import ShardedStrategy, broadcast_module_from_rank_zero, has_meta_tensors, move_plain_tensors
+from fabric.strategies.sharding import (
+    ShardedStrategy,
+    broadcast_module_from_rank_zero,
+    clip_grad_norm_over_shards,
+    has_meta_tensors,
+    move_plain_tensors,
+)
 
 MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")
 #: The mesh's dimensions under pipeline parallelism: the pipeline's ranks outermost.
@@ -364,7 +369,7 @@ class ModelParallelStrategy(ShardedStrategy):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self.precision.unscale_gradients(optimizer)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        return clip_grad_norm_over_stages(parameters, max_norm, norm_type, error_if_nonfinite, self.device_mesh["pipeline_parallel"].get_group())
+        return clip_grad_norm_over_shards(parameters, max_norm, norm_type, error_if_nonfinite, across=self.device_mesh["pipeline_parallel"].get_group())
 
     def __repr__(self) -> str:
         pipeline = f", pipeline_parallel_size={self._pipeline_size}" if self._pipelined else ""

@@ -40,7 +40,6 @@ __all__ = [
     "SCHEDULES",
     "PipelineError",
     "PipelineModule",
-    "clip_grad_norm_over_stages",
     "divide_gradients",
     "schedule_class",
     "stage_layout",
@@ -344,47 +343,6 @@ def reduce_step_loss(
         dist.all_reduce(value, group=data_group)
         value /= dist.get_world_size(data_group)
     return value.to(dtype)
-
-
-def clip_grad_norm_over_stages(
-    parameters: Sequence[Tensor], max_norm: float | int, norm_type: float | int, error_if_nonfinite: bool, pipeline_group: Any
-) -> Tensor:
-    """Scale this rank's gradients so that the norm over the whole model (every stage on every pipeline rank, every
-    shard) is at most ``max_norm``; returns that norm, the same on every rank."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm_type = float(norm_type)
-    local = torch.zeros((), dtype=torch.float32)
-    by_layout: dict[Any, list[Tensor]] = {}
-    for grad in grads:
-        by_layout.setdefault((grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None, []).append(grad)
-    norms = []
-    for group in by_layout.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().reshape(()))
-    device = norms[0].device if norms else (grads[0].device if grads else torch.device("cpu"))
-    local = local.to(device)
-    if norms:
-        stacked = torch.stack([n.to(device) for n in norms])
-        local = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum()
-    elif norm_type != float("inf"):
-        local = local.pow(norm_type)
-    if norm_type == float("inf"):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=pipeline_group)
-        total = local
-    else:
-        dist.all_reduce(local, group=pipeline_group)
-        total = local.pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} of the gradients is {total.item()}; clipping would make them"
-            " meaningless. Pass error_if_nonfinite=False to clip anyway"
-        )
-    coefficient = float(max_norm) / (total.item() + 1e-6)
-    if coefficient < 1.0:
-        with torch.no_grad():
-            for grad in grads:
-                grad.mul_(coefficient)
-    return total
 
 
 def forward_only_v_schedule(stages: list[Any], microbatches: int, loss_fn: Callable[[Any, Any], Tensor]) -> Any:

@@ -317,7 +317,8 @@ def repoint_optimizer(optimizer: Optimizer, names: dict[int, str], sharded: dict
 
 
 def clip_grad_norm_over_shards(
-    parameters: Iterable[Tensor], max_norm: float | int, norm_type: float | int = 2.0, error_if_nonfinite: bool = True
+    parameters: Iterable[Tensor], max_norm: float | int, norm_type: float | int = 2.0, error_if_nonfinite: bool = True,
+    across: Any = None,
 ) -> Tensor:
     """Scale gradients so their norm over the whole model (every shard on every rank) is at most ``max_norm``.
 
@@ -326,26 +327,33 @@ def clip_grad_norm_over_shards(
     DTensor gradients) and the same return type. torch cannot combine gradients of several meshes or
     placements (tensor parallel beside data parallel): those are grouped by mesh and placement, the norm of
     each group is reduced over its mesh (DTensor knows which ranks hold shards and which hold copies), and
-    the groups are combined in float32. Returns the total norm before clipping, the same on every rank.
+    the groups are combined in float32. ``across``: a process group whose ranks each hold other parameters of
+    the model (the stages of a pipeline), whose norms are combined too. Returns the total norm before clipping,
+    the same on every rank.
     """
     parameters = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and across is None:
         return torch.tensor(0.0)
     norm_type = float(norm_type)
     groups: dict[Any, list[Tensor]] = {}
     for grad in grads:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
         groups.setdefault(key, []).append(grad)
-    if len(groups) == 1:
+    if len(groups) == 1 and across is None:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite)
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    total = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    device = norms[0].device if norms else torch.device("cpu")
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]) if norms else torch.zeros(1, device=device)
+    infinity = norm_type == float("inf")
+    total = stacked.max() if infinity else stacked.pow(norm_type).sum()
+    if across is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if infinity else dist.ReduceOp.SUM, group=across)
+    if not infinity:
+        total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} of the gradients is {total.item()}; clipping would make them"
