@@ -151,7 +151,11 @@ def _instrument(strategy: Any, timers: dict[str, float], decision: dict[str, boo
     manager.start_quorum = timed("quorum", manager.start_quorum)
     manager.should_commit = timed("commit", commit)
     manager.allreduce = timed_allreduce
-    strategy._share_positions = timed("positions", strategy._share_positions)
+    # the positions' all-reduce is started at the commit and waited for when the next step starts: what the step's
+    # path spends on it is the start plus the wait (before 2026-12-05, one call did both, in the commit)
+    for method in ("_send_positions", "_take_positions", "_share_positions"):
+        if hasattr(strategy, method):
+            setattr(strategy, method, timed("positions", getattr(strategy, method)))
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -62,7 +62,7 @@ def test_lighthouse_defaults_to_loopback_and_port_29510() -> None:
     config = lighthouse.parse_lighthouse_args(["--min-replicas", "2"])
     assert (config.host, config.port, config.min_replicas) == ("127.0.0.1", 29510, 2)
     assert (config.join_timeout_ms, config.quorum_tick_ms) == (None, None)  # torchft's
-    assert config.heartbeat_timeout_ms == 1000  # ours: a death costs the other groups at most 1 s beyond its step
+    assert config.heartbeat_timeout_ms == 750  # ours: a death costs the other groups at most 1 s beyond one step
     assert config.bind == "127.0.0.1:29510" and config.url(29510) == "http://127.0.0.1:29510"
     every = lighthouse.parse_lighthouse_args(
         ["--min-replicas", "1", "--host", "0.0.0.0", "--port", "0", "--join-timeout-ms", "0", "--quorum-tick-ms", "50",

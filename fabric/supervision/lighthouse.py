@@ -49,8 +49,9 @@ DEFAULT_HOST = "127.0.0.1"
 #: torchft's own lighthouse command listens on this port too.
 DEFAULT_PORT = 29510
 #: A group whose heartbeat is this late is taken for dead (torchft's own default: 5000). The survivors' next quorum
-#: waits for it, so it is the most a death costs them beyond the step it dropped; groups heartbeat every 100 ms.
-DEFAULT_HEARTBEAT_TIMEOUT_MS = 1000
+#: waits for it: with the rest of the dropped step and a quorum tick (100 ms) it is what a death costs them beyond one
+#: step, which the docs promise to be at most 1 s; groups heartbeat every 100 ms, so it is 7 missed heartbeats.
+DEFAULT_HEARTBEAT_TIMEOUT_MS = 750
 #: What installs torchft.
 FT_EXTRA = "pip install 'fabric-torch[ft]' (from a checkout of fabric: pip install -e '.[ft]')"
 #: The exit status when the server cannot start: torchft missing, or the address cannot be bound.
