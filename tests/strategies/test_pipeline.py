@@ -168,7 +168,7 @@ def test_an_optimizer_over_a_parameter_of_another_model_cannot_follow_the_split(
 
 PAIRS = [
     # (processes, arguments, what it shows)
-    pytest.param(2, ["--schedule", "GPipe", "--eval"], id="GPipe-2-eval"),
+    pytest.param(2, ["--schedule", "GPipe", "--eval", "--setup-together"], id="GPipe-2-eval-setup"),
     pytest.param(2, ["--schedule", "1F1B", "--accumulate", "2", "--clip", "0.5"], id="1F1B-2-accumulate-clip"),
     pytest.param(2, ["--schedule", "Interleaved1F1B", "--dtype", "float64", "--optimizer", "adamw"], id="Interleaved1F1B-2-fp64"),
     pytest.param(2, ["--schedule", "ZBVZeroBubble", "--eval"], id="ZBVZeroBubble-2-eval"),
@@ -222,6 +222,10 @@ def test_a_pipeline_equals_one_process_running_the_same_microbatches(tmp_path: P
     run([sys.executable, str(JOB), str(tmp_path), *arguments, "--pp", "0"], timeout=120, env=clean_env())
     run(fabric_run("--devices", processes, JOB, tmp_path, *arguments), timeout=200, env=clean_env(OMP_NUM_THREADS="1"))
     compare_with_reference(tmp_path, float64="float64" in arguments)
+    if "--setup-together" in arguments:  # a plain forward and fabric.backward are refused, naming pipeline_step
+        for path in glob.glob(str(tmp_path / "rank*.pt")):
+            refused = torch.load(path, weights_only=False)["refused"]
+            assert len(refused) == 2 and all("fabric.pipeline_step(model, *inputs, target=target, loss_fn=loss_fn)" in text for text in refused)
 
 
 @pytest.mark.procs

@@ -44,6 +44,8 @@ parser.add_argument("--load", type=Path, default=None)
 parser.add_argument("--first-step", type=int, default=0, help="the index of the first batch (a resumed run)")
 parser.add_argument("--split-first", action="store_true", help="split the model (an evaluation step) before --load")
 parser.add_argument("--layers", type=int, default=8, help="hidden layers of the model")
+parser.add_argument("--setup-together", action="store_true", help="fabric.setup(model, optimizer) with the optimizer made first;"
+                    " and the refusals of a plain forward and of fabric.backward are kept as `refused`")
 parser.add_argument("--loader", action="store_true", help="batches from a set-up DataLoader, saved and loaded with the rest")
 parser.add_argument("--die-rank", type=int, default=-1)
 parser.add_argument("--die-at", type=int, default=-1)
@@ -181,9 +183,23 @@ strategy = ModelParallelStrategy(
 )
 fabric = Fabric(accelerator="cpu", devices=args.pp * args.dp * args.tp, strategy=strategy)
 fabric.launch()
-model = fabric.setup_module(make_model())
-optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
+if args.setup_together:  # an optimizer made from the whole model, before the split
+    whole_model = make_model()
+    model, optimizer = fabric.setup(whole_model, make_optimizer(whole_model.parameters()))
+else:
+    model = fabric.setup_module(make_model())
+    optimizer = fabric.setup_optimizers(make_optimizer(model.parameters()))
 data_rank = strategy.device_mesh["data_parallel"].get_local_rank()
+refused = []
+if args.setup_together:
+    try:
+        model(torch.zeros(2, 8, dtype=dtype))
+    except RuntimeError as err:
+        refused.append(str(err))
+    try:
+        fabric.backward(torch.zeros((), requires_grad=True))
+    except RuntimeError as err:
+        refused.append(str(err))
 if args.split_first:  # the stages exist before the load: it loads this rank's part
     inputs, target = batches(1, 999)[0]
     share = args.batch // args.dp
@@ -214,7 +230,7 @@ for group in steps:
     if args.clip:
         fabric.clip_gradients(model, optimizer, max_norm=args.clip)
     optimizer.step()
-result = {"losses": losses}
+result = {"losses": losses, "refused": refused}
 if args.eval:
     inputs, target = batches(1, 1000)[0]
     share = args.batch // args.dp
