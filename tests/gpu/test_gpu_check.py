@@ -3,32 +3,20 @@ log summaries, budgets, timeouts, the JSON written after every part, the summary
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from support import REPO
+from support.loading import load_file
 
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load(REPO / "scripts" / "gpu_check.py", "gpu_check_tool")
-bench = _load(REPO / "benchmarks" / "gpu.py", "gpu_bench")
+tool = load_file(REPO / "scripts" / "gpu_check.py", "gpu_check_tool")
+bench = load_file(REPO / "benchmarks" / "gpu.py", "gpu_bench")
 
 
 def _no_gpu_env() -> dict[str, str]:

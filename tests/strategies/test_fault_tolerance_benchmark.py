@@ -3,29 +3,17 @@ when its runs had different CPU left to them, and no ratio at all rather than on
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from support import REPO
+from support.loading import load_file
 
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load(REPO / "benchmarks" / "fault_tolerance.py", "fault_tolerance_bench")
+bench = load_file(REPO / "benchmarks" / "fault_tolerance.py", "fault_tolerance_bench")
 
 
 def _scripted(loads: list[tuple[float, float]], ratio: float = 1.05) -> tuple[Any, list[tuple[str, int]]]:
