@@ -37,6 +37,7 @@ __all__ = [
     "LOOPBACK_IPV6",
     "StoreListener",
     "keep_gloo_on_loopback",
+    "lighthouse_address",
     "lighthouse_on_loopback",
     "listen_for_store",
     "loopback_interface",
@@ -240,6 +241,13 @@ def keep_gloo_on_loopback() -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
 
 
+def lighthouse_address(lighthouse_url: str) -> tuple[str, int]:
+    """(host, port) of ``http://HOST:PORT`` (an IPv6 host without its brackets; port 0 where none is given)."""
+    netloc = lighthouse_url.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = netloc.rpartition(":")
+    return _bare(host), int(port) if port.isdigit() else 0
+
+
 def replica_job_address(lighthouse_url: str) -> str:
     """Where a rank of a fault-tolerant job listens for the other replica groups (its manager, the healing transfer,
     the process group across groups): loopback when the lighthouse is on loopback, since every group then runs on
@@ -248,12 +256,10 @@ def replica_job_address(lighthouse_url: str) -> str:
     ``lighthouse_url``: ``http://HOST:PORT`` (an IPv6 host in brackets). Raises ``OSError`` naming the lighthouse
     when no route to it exists.
     """
-    netloc = lighthouse_url.split("://", 1)[-1].split("/", 1)[0]
-    host, _, port = netloc.rpartition(":")
-    host = _bare(host)
+    host, port = lighthouse_address(lighthouse_url)
     if _is_loopback(host) or host.lower() in _LOCAL_NAMES:
         return LOOPBACK_IPV6 if ":" in host else LOOPBACK_IPV4
-    infos = socket.getaddrinfo(host, int(port or 0), type=socket.SOCK_DGRAM)
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     if all(_is_loopback(str(info[4][0])) for info in infos):
         return LOOPBACK_IPV6 if infos[0][0] == socket.AF_INET6 else LOOPBACK_IPV4
     family, _, _, _, sockaddr = infos[0]

@@ -29,6 +29,8 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from fabric._core.listening import lighthouse_address
+
 __all__ = ["LighthouseLostError", "QuorumClient", "ReplicaSetupError", "quorum_retries", "replica_id"]
 
 _ID = re.compile(r"^fabric-(?P<strategy>[a-z_]+)-(?P<groups>\d+)groups-(?P<ranks>\d+)ranks-group(?P<group>\d+)$")
@@ -156,10 +158,8 @@ def _member(name: str) -> dict[str, Any]:
 
 def _answers(lighthouse: str) -> bool:
     """Whether a TCP connection to the lighthouse's address is accepted (within a second)."""
-    netloc = lighthouse.split("://", 1)[-1].split("/", 1)[0]
-    host, _, port = netloc.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+        with socket.create_connection(lighthouse_address(lighthouse), timeout=1.0):
             return True
     except (OSError, ValueError):
         return False

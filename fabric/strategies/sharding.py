@@ -331,7 +331,8 @@ def clip_grad_norm_over_shards(
     the model (the stages of a pipeline), whose norms are combined too. Returns the total norm before clipping,
     the same on every rank.
     """
-    parameters = [p for p in parameters if p.grad is not None]
+    given = list(parameters)
+    parameters = [p for p in given if p.grad is not None]
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads and across is None:
         return torch.tensor(0.0)
@@ -346,7 +347,8 @@ def clip_grad_norm_over_shards(
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=norm_type, foreach=False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device if norms else torch.device("cpu")
+    # a rank without gradients still joins the reduction ``across``: on its parameters' device (NCCL serves no other)
+    device = norms[0].device if norms else next((p.device for p in given), torch.device("cpu"))
     stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]) if norms else torch.zeros(1, device=device)
     infinity = norm_type == float("inf")
     total = stacked.max() if infinity else stacked.pow(norm_type).sum()
