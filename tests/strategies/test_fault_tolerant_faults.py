@@ -134,6 +134,7 @@ def test_a_lighthouse_that_never_comes_back_ends_every_group_with_our_message_wi
     assert took < 8 + 10, took  # the bound, plus the groups' ends
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("numbers", "devices", "said"),
