@@ -211,7 +211,6 @@ class ReplicaGroups:
         self._min_replica_size = min_replica_size
         self._replica_process_group = replica_process_group
         self._manager: Any = None
-        self._quorum_client: Any = None
         self._positions: GroupPositions | None = None
         self._modules: list[Module] = []
         self._optimizers: list[Optimizer] = []
@@ -323,7 +322,7 @@ class ReplicaGroups:
                 checkpoint_transport=HealingTransport(host, secret, self._replica_timeout),
                 quorum_retries=quorum_retries(self._quorum_timeout),
             )
-        self._quorum_client = self._manager._client = QuorumClient(
+        self._manager._client = QuorumClient(
             self._manager._client, strategy=self._strategy_name, groups=groups, ranks=strategy.world_size, group=group,
             lighthouse=lighthouse, quorum_timeout=self._quorum_timeout, steps_before=int(os.environ.get(GROUP_STEP_ENV, "0") or 0),
         )

@@ -45,9 +45,6 @@ __all__ = [
     "stage_layout",
 ]
 
-#: A function ``(module, stage_index, num_stages) -> stage module`` for models that do not trace.
-SplitFunction = Callable[[Module, int, int], Module]
-
 
 class PipelineError(RuntimeError):
     """A pipeline-parallel model used or set up in a way the pipeline cannot run."""
@@ -118,7 +115,6 @@ class PipelineModule(Module):
         self.__dict__["_whole"] = model
         self.__dict__["_whole_names"] = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
         self.__dict__["_whole_keys"] = frozenset(model.state_dict().keys())
-        self.__dict__["_stage_modules"] = []  # this rank's stages as the schedule runs them (DDP-wrapped, say)
         self.__dict__["_stage_indices"] = []
         self.__dict__["_stages"] = []  # torch's PipelineStage objects
         self.__dict__["_optimizers"] = []  # optimizers to re-point at the split
@@ -153,10 +149,6 @@ class PipelineModule(Module):
         dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.get_default_dtype())
         return reduce_step_loss(losses, holder, pipeline_group, data_group, device, torch.promote_types(dtype, torch.float32))
 
-    @property
-    def stage_modules(self) -> list[Module]:
-        """This rank's stages as the schedule runs them (a DDP wrapper, say)."""
-        return self.__dict__["_stage_modules"]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError(
@@ -215,7 +207,6 @@ class PipelineModule(Module):
         for optimizer in self.__dict__["_optimizers"]:
             _keep_stage_parameters(optimizer, self.__dict__["_whole_names"], after)
         self.__dict__["_optimizers"] = []
-        self.__dict__["_stage_modules"] = list(stage_modules)
         self.__dict__["_stage_indices"] = list(indices)
         self.__dict__["_stage_count"] = stages
         self.__dict__["_loss_groups"] = groups

@@ -78,8 +78,6 @@ class QuorumClient:
         self._quorum_timeout = quorum_timeout
         self._steps_before = steps_before
         self._first = True
-        #: the last quorum this group got (None before the first)
-        self.last: Any = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -94,7 +92,6 @@ class QuorumClient:
         self._first = False
         token = hashlib.sha256(f"{quorum.quorum_id}|{quorum.max_step}|{'|'.join(sorted(quorum.replica_ids))}".encode())
         quorum.store_address = f"{quorum.store_address}/fabric/{token.hexdigest()[:16]}"
-        self.last = quorum
         return quorum
 
     def _check(self, members: list[dict[str, Any]], max_step: int) -> None:
